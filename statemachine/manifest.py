@@ -1,0 +1,63 @@
+"""The dataset manifest (`<dataset>/manifest.json`): the verified samples the trainer may use.
+
+Written atomically when verify completes. Its fingerprint covers (id, checksum) of every
+verified sample, so the trainer can refuse a dataset that no longer matches the ledger.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable
+
+from eagle3d.statemachine.atomic import atomic_write_bytes
+from eagle3d.statemachine.ledger import Ledger
+
+FILE = "manifest.json"
+
+
+class ManifestMismatch(RuntimeError):
+    pass
+
+
+def fingerprint(rows: Iterable[tuple[str, str]]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for sid, checksum in rows:
+        h.update(f"{sid}:{checksum}\n".encode())
+    return h.hexdigest()
+
+
+def ledger_fingerprint(ledger: Ledger) -> str:
+    return fingerprint(ledger.verified_fingerprint_rows())
+
+
+def build(ledger: Ledger, contract: dict[str, Any]) -> dict[str, Any]:
+    samples = [{"id": s.id, "path": s.path, "tokens": s.tokens, "loss_tokens": s.loss_tokens,
+                "checksum": s.checksum} for s in ledger.iter_samples("verified")]
+    samples.sort(key=lambda s: s["id"])
+    return {"fingerprint": fingerprint((s["id"], s["checksum"]) for s in samples),
+            "contract": contract, "counts": ledger.counts().n, "samples": samples}
+
+
+def write(dataset_dir: Path, manifest: dict[str, Any]) -> None:
+    atomic_write_bytes(Path(dataset_dir) / FILE, json.dumps(manifest).encode())
+
+
+def read(dataset_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(dataset_dir) / FILE).read_bytes())
+    except FileNotFoundError:
+        return None
+    except ValueError:
+        return None  # damaged: verify writes it again
+
+
+def check(manifest: dict[str, Any] | None, ledger: Ledger) -> None:
+    """Raise unless the manifest names exactly the ledger's verified samples."""
+    if manifest is None:
+        raise ManifestMismatch("the dataset has no manifest: verify has not completed")
+    current = ledger_fingerprint(ledger)
+    if manifest.get("fingerprint") != current:
+        raise ManifestMismatch(f"the manifest ({manifest.get('fingerprint')}) does not match the "
+                               f"ledger's verified samples ({current}); let verify finish again")

@@ -1,0 +1,111 @@
+"""Stages, derived (never stored as a free-standing variable) from the facts: config + ledger +
+what is on disk. The daemon calls `derive` at every tick, so a restart after a crash, a reboot or
+a config edit lands exactly where the facts say the pipeline is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from eagle3d.statemachine.ledger import Counts
+
+ORDER = ("plan", "extract", "verify", "train", "done")
+
+
+class Stage(str, Enum):
+    PLAN = "plan"
+    EXTRACT = "extract"
+    VERIFY = "verify"
+    TRAIN = "train"
+    DONE = "done"
+    PAUSED = "paused"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Gate:
+    """The training gate: open only when every sample is verified or excluded with a reason."""
+    open: bool
+    blocking: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.open:
+            return "open"
+        if not self.blocking:
+            return "closed: no verified samples"
+        return "closed: " + ", ".join(f"{n} {s}" for s, n in self.blocking.items() if n)
+
+
+def gate(counts: Counts) -> Gate:
+    blocking = {s: counts.get(s) for s in ("pending", "inflight", "extracted", "failed")
+                if counts.get(s)}
+    return Gate(open=not blocking and counts.get("verified") > 0, blocking=blocking)
+
+
+@dataclass(frozen=True)
+class Facts:
+    counts: Counts
+    plan_complete: bool
+    blocked: str | None = None         # config or contract problem: needs the operator
+    operator_pause: str | None = None  # `eagle3ctl pause`, with who/when
+    budget_pause: str | None = None    # a disk budget, with the figures
+    verify_complete: bool = False      # the manifest matches the ledger's verified set
+    train_done: bool = False           # the export + evaluation match the manifest
+    train_failed: str | None = None    # the trainer gave up (restarts used up)
+    spot_check_failed: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    stage: Stage
+    reason: str
+    # The stage the pipeline would be in if nothing paused it: what a pause holds back.
+    underlying: Stage
+
+
+def _work_stage(f: Facts) -> tuple[Stage, str]:
+    c = f.counts
+    if not f.plan_complete:
+        return Stage.PLAN, "tokenizing conversations"
+    if c.total == 0:
+        return Stage.FAILED, "the plan produced no usable samples: check [data] source, first, limit"
+    if c.get("pending") or c.get("inflight"):
+        return Stage.EXTRACT, f"{c.get('pending') + c.get('inflight')} samples to extract"
+    if c.get("extracted"):
+        return Stage.VERIFY, f"{c.get('extracted')} samples to verify"
+    g = gate(c)
+    if not g.open:
+        if c.get("failed"):
+            return Stage.VERIFY, (f"training gate {g.describe()}: retry them (eagle3ctl retry "
+                                  "--failed) or exclude them with a reason (eagle3ctl exclude)")
+        return Stage.FAILED, "every sample is excluded: nothing to train on"
+    if f.spot_check_failed:
+        return Stage.FAILED, f"spot check failed, the capture itself is wrong: {f.spot_check_failed}"
+    if not f.verify_complete:
+        return Stage.VERIFY, "writing the dataset manifest"
+    if f.train_done:
+        return Stage.DONE, "drafter trained, exported and evaluated"
+    if f.train_failed:
+        return Stage.FAILED, f"training failed: {f.train_failed}"
+    return Stage.TRAIN, "training the drafter"
+
+
+def derive(f: Facts) -> Decision:
+    stage, reason = _work_stage(f)
+    if f.blocked:
+        return Decision(Stage.FAILED, f.blocked, stage)
+    if stage in (Stage.DONE, Stage.FAILED):
+        return Decision(stage, reason, stage)
+    if f.operator_pause:
+        return Decision(Stage.PAUSED, f"paused by the operator: {f.operator_pause}", stage)
+    if f.budget_pause and stage == Stage.EXTRACT:
+        return Decision(Stage.PAUSED, f.budget_pause, stage)
+    return Decision(stage, reason, stage)
+
+
+def reached(current: Stage, target: str) -> bool:
+    """Whether `--until target` is satisfied by the current (work) stage."""
+    if current.value not in ORDER:
+        return False
+    return ORDER.index(current.value) >= ORDER.index(target)

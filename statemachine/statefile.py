@@ -1,0 +1,47 @@
+"""state.toml: where the pipeline is, for humans and for `eagle3ctl status`.
+
+The ledger is the truth about samples; this file carries what only the daemon knows (stage
+reason, rates, children, disk figures, heartbeat). It is replaced atomically, so a reader sees a
+whole file or the previous whole file.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+from eagle3d.statemachine.atomic import atomic_write_bytes
+
+FILE = "state.toml"
+
+
+def _clean(value: Any) -> Any:
+    """TOML has no null: drop None values, recursively."""
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value if v is not None]
+    return value
+
+
+def write_state(state_dir: Path, state: dict[str, Any]) -> None:
+    atomic_write_bytes(Path(state_dir) / FILE, tomli_w.dumps(_clean(state)).encode())
+
+
+def read_state(state_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(state, problem): a missing or damaged file is reported, never raised."""
+    path = Path(state_dir) / FILE
+    try:
+        return tomllib.loads(path.read_bytes().decode("utf-8")), None
+    except FileNotFoundError:
+        return None, f"no {FILE} yet (the daemon has not run with this config)"
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        return None, f"{path} is unreadable ({exc}); the daemon rewrites it every few seconds"
