@@ -187,3 +187,10 @@ def read_header(path: str | os.PathLike) -> DumpHeader:
     finally:
         os.close(fd)
 
+
+
+def ids_hash(input_ids: bytes) -> str:
+    """The planned identity of a sample's token ids (little-endian int32 bytes), as stored in the
+    ledger: ingest and verify compare a dump's `input_ids` against it."""
+    import hashlib
+    return hashlib.blake2b(input_ids, digest_size=16).hexdigest()
