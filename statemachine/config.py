@@ -366,4 +366,4 @@ def _dir(chk: _Checker, key: str, value: Any, base: Path) -> Path:
         anchor = anchor.parent
     if not anchor.is_dir():
         raise ValueError(f"{value!r} cannot be created: {anchor} is not a folder")
-    return resolved.absolute()
+    return Path(os.path.normpath(resolved.absolute()))

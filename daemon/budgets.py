@@ -1,0 +1,68 @@
+"""Disk budgets: keep the configured reserve free on the dataset file system and cap the spool.
+
+A budget that is hit stops dispatch with the reason and the figures; nothing is dropped, and
+dispatch resumes by itself when space comes back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from eagle3d.statemachine.config import Config
+
+
+def human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+@dataclass(frozen=True)
+class Disk:
+    role: str
+    path: str
+    free: int
+    total: int
+
+
+def disks(cfg: Config) -> list[Disk]:
+    out = []
+    for role in ("dataset_dir", "spool_dir", "train_dir", "state_dir"):
+        path = getattr(cfg.paths, role)
+        anchor = Path(path)
+        while not anchor.exists():
+            anchor = anchor.parent
+        usage = psutil.disk_usage(str(anchor))
+        out.append(Disk(role, str(path), usage.free, usage.total))
+    return out
+
+
+def dataset_pause(cfg: Config, free: int, committed: int) -> str | None:
+    """Why dispatch must wait for the dataset disk; `committed` is what in-flight and spooled
+    samples will still write there."""
+    if free - committed < cfg.budget.reserve:
+        return (f"disk budget: the dataset file system has {human(free)} free, "
+                f"{human(committed)} is on its way, and {human(cfg.budget.reserve)} must stay "
+                "free ([budget] reserve); dispatch resumes when space is freed")
+    return None
+
+
+def projection_pause(cfg: Config, free: int, remaining: int) -> str | None:
+    """Refuse to start (or go on) when the rest of the dataset cannot fit."""
+    if remaining > free - cfg.budget.reserve:
+        return (f"the rest of the dataset is projected at {human(remaining)}, but the dataset "
+                f"file system has {human(free)} free and {human(cfg.budget.reserve)} must stay "
+                "free; free space, lower [data] limit, or point dataset_dir elsewhere")
+    return None
+
+
+def spool_pause(cfg: Config, spooled: int) -> str | None:
+    if spooled >= cfg.budget.spool_max:
+        return (f"spool budget: {human(spooled)} waits in {cfg.paths.spool_dir}, the cap is "
+                f"{human(cfg.budget.spool_max)} ([budget] spool_max)")
+    return None

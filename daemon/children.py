@@ -1,0 +1,131 @@
+"""The daemon's child processes: started, watched, stopped, and found again after a crash.
+
+Each child runs in its own process group (so stopping it stops what it started too, such as
+torchrun's ranks), dies with the daemon (PR_SET_PDEATHSIG), and is recorded in a pid file with
+its start time: a restarted daemon ends the children of its previous life by (pid, start time),
+never by a bare pid that the kernel may have handed to an unrelated process since.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Sequence
+
+import psutil
+
+log = logging.getLogger("eagle3d")
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a child: ours, minus systemd's notify and watchdog variables (only
+    the daemon talks to systemd), plus unbuffered Python output for line-by-line logs."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS")}
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+class Child:
+    """One running child process, recorded in `<pid_dir>/<name>.json`."""
+
+    def __init__(self, name: str, argv: Sequence[str], pid_dir: Path,
+                 env: dict[str, str] | None = None, stdin: int | None = None,
+                 stdout: int | IO | None = None) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.pid_file = Path(pid_dir) / f"{name}.json"
+        self.started = time.time()
+        self.proc = subprocess.Popen(self.argv, env=child_env(env), stdin=stdin, stdout=stdout,
+                                     start_new_session=True, preexec_fn=_die_with_parent,
+                                     close_fds=True)
+        try:
+            created = psutil.Process(self.proc.pid).create_time()
+        except psutil.NoSuchProcess:
+            created = 0.0
+        self.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        self.pid_file.write_text(json.dumps({"pid": self.proc.pid, "create_time": created,
+                                             "argv": self.argv}))
+        log.info("started %s (pid %d): %s", name, self.proc.pid, " ".join(self.argv))
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        code = self.proc.poll()
+        if code is not None:
+            self.pid_file.unlink(missing_ok=True)
+        return code
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, grace: float) -> int:
+        """SIGTERM to the whole group, SIGKILL after `grace` seconds; returns the exit code."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop within %.0f s: killing it", self.name, grace)
+        # The group may hold grandchildren even after the leader is gone.
+        self.signal(signal.SIGKILL)
+        code = self.proc.wait()
+        self.pid_file.unlink(missing_ok=True)
+        return code
+
+
+def end_orphans(pid_dir: Path, grace: float = 10.0) -> list[str]:
+    """End the children that a previous daemon left running; returns what was ended."""
+    ended = []
+    for pid_file in sorted(Path(pid_dir).glob("*.json")):
+        try:
+            rec = json.loads(pid_file.read_text())
+            proc = psutil.Process(int(rec["pid"]))
+            same = abs(proc.create_time() - float(rec["create_time"])) < 0.05
+        except (OSError, ValueError, KeyError, psutil.Error):
+            same = False
+        if same:
+            _end_group(proc.pid, grace)
+            ended.append(f"{pid_file.stem} (pid {proc.pid})")
+        pid_file.unlink(missing_ok=True)
+    return ended
+
+
+def _end_group(pgid: int, grace: float) -> None:
+    members = [p for p in psutil.process_iter(["pid"]) if _pgid(p.pid) == pgid]
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        _, alive = psutil.wait_procs(members, timeout=grace if sig == signal.SIGTERM else 5)
+        if not alive:
+            return
+
+
+def _pgid(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None

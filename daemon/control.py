@@ -1,0 +1,104 @@
+"""Control without a socket: `eagle3ctl` drops a request file into `<state_dir>/control/`, the
+daemon applies it at its next tick, records an event and writes an acknowledgement beside it.
+
+A request is accepted only from a file owned by the daemon's user or root, in a folder nobody
+else can write: no network listener, and nobody else on the box can steer the pipeline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from eagle3d.statemachine.atomic import atomic_write_bytes
+
+FOLDER = "control"
+VERBS = ("pause", "resume", "retry", "exclude", "verify-full")
+
+
+@dataclass(frozen=True)
+class Request:
+    name: str
+    verb: str
+    args: dict[str, Any]
+
+
+def folder(state_dir: Path) -> Path:
+    return Path(state_dir) / FOLDER
+
+
+def send(state_dir: Path, verb: str, args: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    """Write a request and wait for its acknowledgement; None when none came in time."""
+    ctl = folder(state_dir)
+    name = f"{time.time_ns()}-{secrets.token_hex(4)}"
+    atomic_write_bytes(ctl / f"{name}.request.json",
+                       json.dumps({"verb": verb, "args": args, "pid": os.getpid()}).encode(), 0o600)
+    ack = ctl / f"{name}.ack.json"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if ack.exists():
+            try:
+                reply = json.loads(ack.read_text())
+            except ValueError:
+                time.sleep(0.02)
+                continue
+            ack.unlink(missing_ok=True)
+            return reply
+        time.sleep(0.05)
+    # Withdraw it: a daemon that starts later must not act on a request nobody waits for.
+    (ctl / f"{name}.request.json").unlink(missing_ok=True)
+    return None
+
+
+def pending(state_dir: Path) -> list[Request | tuple[str, str]]:
+    """Requests waiting, oldest first; a malformed or foreign one comes back as (name, problem)."""
+    out: list[Request | tuple[str, str]] = []
+    ctl = folder(state_dir)
+    try:
+        names = sorted(p.name for p in ctl.iterdir() if p.name.endswith(".request.json"))
+    except FileNotFoundError:
+        return out
+    me = os.geteuid()
+    for fname in names:
+        name = fname[:-len(".request.json")]
+        path = ctl / fname
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid not in (me, 0):
+                raise ValueError(f"refused: owned by uid {st.st_uid}, not the daemon's user")
+            raw = json.loads(path.read_text())
+            verb, args = raw.get("verb"), raw.get("args", {})
+            if verb not in VERBS:
+                raise ValueError(f"unknown verb {verb!r} (known: {', '.join(VERBS)})")
+            if not isinstance(args, dict):
+                raise ValueError("args must be an object")
+            out.append(Request(name, verb, args))
+        except (OSError, ValueError, AttributeError) as exc:
+            out.append((name, str(exc)))
+    return out
+
+
+def acknowledge(state_dir: Path, name: str, ok: bool, message: str) -> None:
+    ctl = folder(state_dir)
+    atomic_write_bytes(ctl / f"{name}.ack.json", json.dumps({"ok": ok, "message": message}).encode(),
+                       0o600)
+    (ctl / f"{name}.request.json").unlink(missing_ok=True)
+
+
+def apply_all(state_dir: Path, handler: Callable[[Request], str]) -> None:
+    """Apply each waiting request through `handler` (returns the message; raises ValueError for
+    a request it refuses) and acknowledge it."""
+    for req in pending(state_dir):
+        if isinstance(req, tuple):
+            acknowledge(state_dir, req[0], False, req[1])
+            continue
+        try:
+            acknowledge(state_dir, req.name, True, handler(req))
+        except ValueError as exc:
+            acknowledge(state_dir, req.name, False, str(exc))

@@ -1,0 +1,384 @@
+"""`eagle3ctl`: read the truth, and ask the daemon for actions.
+
+It reads state.toml and the ledger read-only, works while the daemon is down, and imports
+nothing heavy (no torch, transformers or numpy), so it answers in a blink on a loaded box.
+Exit codes follow `systemctl status`: 0 running and healthy, 1 failed, 3 not running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3d.daemon import control
+from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
+from eagle3d.statemachine.stages import gate
+from eagle3d.statemachine.statefile import read_state
+
+DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
+HEARTBEAT_STALE_S = 15.0
+ACK_TIMEOUT_S = 10.0
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def _human_s(s: float | None) -> str:
+    if s is None:
+        return "-"
+    s = int(s)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def _bar(fraction: float, width: int = 30) -> str:
+    fraction = min(max(fraction, 0.0), 1.0)
+    full = int(fraction * width)
+    return "[" + "#" * full + "." * (width - full) + f"] {fraction * 100:5.1f}%"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# ---- status ---------------------------------------------------------------------------------
+
+def collect_status(cfg: Config) -> dict[str, Any]:
+    """Everything `status` shows, as one JSON-able dict. Counts come from the ledger (the truth)
+    when it can be read, else from the state file."""
+    state, problem = read_state(cfg.paths.state_dir)
+    state = state or {}
+    out: dict[str, Any] = {"config": str(cfg.path), "state_problem": problem}
+    out["stage"] = state.get("stage", "not started")
+    out["reason"] = state.get("reason", problem or "")
+    out["since"] = state.get("since")
+    samples = dict(state.get("samples", {}))
+    tokens = dict(state.get("tokens", {"done": 0, "total": 0}))
+    blocking: list[dict[str, Any]] = []
+    ledger_problem = None
+    try:
+        with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=2.0) as ledger:
+            counts = ledger.counts()
+            samples.update({s: counts.get(s) for s in STATUSES})
+            samples["total"] = counts.total
+            samples["skipped"] = ledger.skipped_count()
+            tokens = {"done": sum(counts.tokens.get(s, 0) for s in ("extracted", "verified")),
+                      "total": counts.total_tokens - counts.tokens.get("excluded", 0)}
+            g = gate(counts)
+            out["gate"] = {"open": g.open, "describe": g.describe()}
+            for s in ledger.samples("failed", limit=5):
+                blocking.append({"id": s.id, "status": s.status, "attempts": s.attempts,
+                                 "error": s.error})
+            out["skipped_reasons"] = ledger.skipped_reasons()
+    except (LedgerError, sqlite3.Error) as exc:
+        if state:
+            ledger_problem = f"ledger not readable right now ({exc}); counts are from state.toml"
+        out["gate"] = state.get("gate", {})
+    out["ledger_problem"] = ledger_problem
+    for s in STATUSES + ("total", "skipped"):
+        samples.setdefault(s, 0)
+    out["samples"] = samples
+    out["tokens"] = tokens
+    out["blocking"] = blocking
+    out["rate"] = state.get("rate", {})
+    out["eta_s"] = state.get("eta_s")
+    out["bytes"] = state.get("bytes", {})
+    out["disk"] = state.get("disk", [])
+    out["engine"] = state.get("engine", {})
+    out["trainer"] = state.get("trainer", {})
+    out["verify"] = state.get("verify")
+    out["config_problem"] = state.get("config", {}).get("problem")
+    d = state.get("daemon", {})
+    age = time.time() - d["heartbeat"] if "heartbeat" in d else None
+    alive = bool(d.get("alive") and d.get("pid") and age is not None and age < HEARTBEAT_STALE_S
+                 and _pid_alive(int(d["pid"])))
+    out["daemon"] = {"pid": d.get("pid"), "alive": alive,
+                     "heartbeat_age_s": None if age is None else round(age, 2)}
+    return out
+
+
+def status_code(st: dict[str, Any]) -> int:
+    if not st["daemon"]["alive"]:
+        return 3
+    return 1 if st["stage"] == "failed" else 0
+
+
+def render_status(st: dict[str, Any]) -> str:
+    s, t, d = st["samples"], st["tokens"], st["daemon"]
+    lines = []
+    since = f" (since {time.strftime('%H:%M:%S', time.localtime(st['since']))})" if st.get("since") else ""
+    lines.append(f"stage     {st['stage']}{since}: {st['reason']}")
+    if d["alive"]:
+        lines.append(f"daemon    running, pid {d['pid']}, heartbeat {d['heartbeat_age_s']:.1f}s ago")
+    elif d.get("pid"):
+        age = d.get("heartbeat_age_s")
+        lines.append(f"daemon    NOT RUNNING (last pid {d['pid']}, last heartbeat "
+                     f"{_human_s(age)} ago)")
+    else:
+        lines.append("daemon    NOT RUNNING")
+    if st.get("config_problem"):
+        lines.append(f"config    {st['config_problem']}")
+    trainer = st.get("trainer", {})
+    if st["stage"] in ("train", "done") or trainer.get("status") in ("training", "evaluating"):
+        total = trainer.get("total_steps") or 0
+        frac = (trainer.get("step", 0) / total) if total else (1.0 if st["stage"] == "done" else 0.0)
+        lines.append(f"progress  {_bar(frac)}  training step {trainer.get('step', 0)}/{total}")
+    elif st["stage"] == "verify" or (s["verified"] and not s["pending"] and not s["inflight"]):
+        frac = s["verified"] / max(s["total"] - s["excluded"], 1)
+        lines.append(f"progress  {_bar(frac)}  {s['verified']}/{s['total'] - s['excluded']} verified")
+    else:
+        frac = t["done"] / t["total"] if t.get("total") else 0.0
+        lines.append(f"progress  {_bar(frac)}  {t['done']:,}/{t.get('total', 0):,} tokens extracted")
+    lines.append("samples   " + " · ".join(f"{k} {s[k]:,}" for k in ("total",) + STATUSES) +
+                 f" · skipped {s['skipped']:,}")
+    rate = st.get("rate", {})
+    lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
+                 f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · ETA {_human_s(st.get('eta_s'))}")
+    b = st.get("bytes", {})
+    disk_parts = [f"{x['role'].replace('_dir', '')} {_human_bytes(x['free'])} free"
+                  for x in st.get("disk", [])[:2]]
+    lines.append("disk      " + " · ".join(disk_parts + [
+        f"written {_human_bytes(b.get('written', 0))} of {_human_bytes(b.get('projected', 0))} "
+        "projected"]))
+    e = st.get("engine", {})
+    if e:
+        extra = f", pid {e['pid']}" if e.get("pid") else ""
+        extra += f", {e['device']}" if e.get("device") else ""
+        lines.append(f"engine    {e.get('status', '-')} ({e.get('kind', '?')}{extra}), "
+                     f"{e.get('restarts', 0)} restarts" +
+                     (f": {e['problem']}" if e.get("problem") else ""))
+    if trainer:
+        parts = [trainer.get("status", "idle")]
+        if "loss" in trainer:
+            parts.append(f"loss {trainer['loss']:.3f}")
+        if trainer.get("acc"):
+            parts.append("acc " + "/".join(f"{a:.2f}" for a in trainer["acc"]))
+        if "tokens_per_s" in trainer:
+            parts.append(f"{trainer['tokens_per_s']:,.0f} tokens/s")
+        if "acceptance_length" in trainer:
+            parts.append(f"acceptance length {trainer['acceptance_length']:.2f}")
+        if trainer.get("failure"):
+            parts.append(trainer["failure"])
+        lines.append("trainer   " + " · ".join(parts))
+    g = st.get("gate", {})
+    if g:
+        lines.append(f"gate      {g.get('describe', '?')}")
+    for blk in st.get("blocking", []):
+        lines.append(f"  failed  {blk['id']}  attempts {blk['attempts']}: {blk['error']}")
+    if st.get("ledger_problem"):
+        lines.append(f"note      {st['ledger_problem']}")
+    return "\n".join(lines)
+
+
+def results_summary(config_path: str) -> str:
+    """Where the results are, for the end of `eagle3d run --until`."""
+    try:
+        cfg = load_config(config_path)
+    except ConfigError as exc:
+        return str(exc)
+    lines = [f"state:    {cfg.paths.state_dir}  (eagle3ctl -c {config_path} status)",
+             f"dataset:  {cfg.paths.dataset_dir}"]
+    export = cfg.paths.train_dir / "export"
+    if export.exists():
+        lines.append(f"drafter:  {export}  (SGLang: --speculative-algorithm EAGLE3 "
+                     f"--speculative-draft-model-path {export})")
+    try:
+        result = json.loads((cfg.paths.train_dir / "eval.json").read_text())
+        lines.append(f"acceptance length: {result['acceptance_length']:.3f} tokens per target "
+                     f"forward over {result.get('prompts')} held-out prompts "
+                     f"({cfg.paths.train_dir / 'eval.json'})")
+    except (OSError, ValueError, KeyError):
+        pass
+    return "\n".join(lines)
+
+
+# ---- commands -------------------------------------------------------------------------------
+
+def cmd_status(cfg: Config, args: argparse.Namespace) -> int:
+    while True:
+        st = collect_status(cfg)
+        if args.json:
+            print(json.dumps(st, indent=None if args.watch else 2))
+        else:
+            if args.watch and sys.stdout.isatty():
+                print("\033[2J\033[H", end="")
+            print(render_status(st))
+        if not args.watch:
+            return status_code(st)
+        sys.stdout.flush()
+        try:
+            time.sleep(args.interval)
+        except KeyboardInterrupt:
+            return status_code(st)
+
+
+def _request(cfg: Config, verb: str, payload: dict[str, Any]) -> int:
+    st = collect_status(cfg)
+    if not st["daemon"]["alive"]:
+        print(f"the daemon is not running (state in {cfg.paths.state_dir}); start it "
+              "(systemctl start eagle3d, or eagle3d run -c FILE) and try again", file=sys.stderr)
+        return 3
+    reply = control.send(cfg.paths.state_dir, verb, payload, ACK_TIMEOUT_S)
+    if reply is None:
+        print(f"the daemon did not answer within {ACK_TIMEOUT_S:.0f} s; the request was "
+              "withdrawn", file=sys.stderr)
+        return 1
+    print(reply["message"], file=sys.stdout if reply["ok"] else sys.stderr)
+    return 0 if reply["ok"] else 1
+
+
+def cmd_samples(cfg: Config, args: argparse.Namespace) -> int:
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        rows = ledger.samples(args.status, args.limit)
+    if args.json:
+        print(json.dumps([r.__dict__ for r in rows], indent=2))
+        return 0
+    for r in rows:
+        detail = r.error or r.reason or r.path or ""
+        print(f"{r.id}  {r.status:9s} idx {r.idx:7d}  {r.tokens:6d} tokens  "
+              f"attempts {r.attempts}  {detail}")
+    return 0
+
+
+def cmd_events(cfg: Config, args: argparse.Namespace) -> int:
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        for t, kind, sample, detail in ledger.recent_events(args.limit):
+            stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+            print(f"{stamp}  {kind:16s} {sample or '-':32s}  {detail or ''}")
+    return 0
+
+
+def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
+    argv = [sys.executable, "-m", "eagle3d.drafter.evaluate", "-c", str(cfg.path)]
+    for flag in ("drafter", "source", "first", "limit", "steps", "max_new_tokens"):
+        value = getattr(args, flag)
+        if value is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.json:
+        argv.append("--json")
+    return subprocess.call(argv)
+
+
+def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
+    import shlex
+    if cfg.target.engine == "sglang":
+        from eagle3d.capture import contract
+        from eagle3d.capture.sglang_launcher import launch_command
+        c = contract.read(cfg.paths.dataset_dir)
+        if c is None:
+            print("no capture contract yet: the plan stage writes it "
+                  f"({cfg.paths.dataset_dir}/capture.toml)", file=sys.stderr)
+            return 1
+        argv, env = launch_command(cfg, c)
+    else:
+        argv, env = [sys.executable, "-m", "eagle3d.capture.worker", "-c", str(cfg.path)], {}
+    print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="eagle3ctl", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-c", "--config", default=os.environ.get("EAGLE3D_CONFIG", DEFAULT_CONFIG),
+                   help=f"config file (default {DEFAULT_CONFIG} or $EAGLE3D_CONFIG)")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="where the pipeline is (exit 0 healthy, 1 failed, 3 not running)")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
+    s.add_argument("--interval", type=float, default=2.0)
+    sub.add_parser("check-config", help="validate the config file and exit")
+    s = sub.add_parser("pause", help="stop dispatching new work (in-flight work finishes)")
+    s.add_argument("--reason", default="")
+    sub.add_parser("resume", help="undo pause")
+    s = sub.add_parser("retry", help="give failed samples (or the given ids) fresh attempts")
+    s.add_argument("ids", nargs="*")
+    s.add_argument("--failed", action="store_true", help="every failed sample")
+    s = sub.add_parser("exclude", help="take samples out of the dataset, with a written reason")
+    s.add_argument("ids", nargs="+")
+    s.add_argument("--reason", required=True)
+    s = sub.add_parser("verify", help="ask for verification")
+    s.add_argument("--full", action="store_true", required=True,
+                   help="re-read every verified sample too, not only new ones")
+    s = sub.add_parser("samples", help="list samples")
+    s.add_argument("--status", choices=STATUSES)
+    s.add_argument("--limit", type=int, default=50)
+    s.add_argument("--json", action="store_true")
+    s = sub.add_parser("events", help="the ledger's event log, newest last")
+    s.add_argument("--limit", type=int, default=30)
+    s = sub.add_parser("eval", help="measure a drafter's acceptance length with the real target")
+    s.add_argument("--drafter", help="export folder (default <train_dir>/export)")
+    s.add_argument("--source")
+    s.add_argument("--first", type=int)
+    s.add_argument("--limit", type=int)
+    s.add_argument("--steps", type=int)
+    s.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
+    s.add_argument("--json", action="store_true")
+    sub.add_parser("engine-command", help="print the exact engine command the daemon runs")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"eagle3ctl: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "check-config":
+        print(f"{cfg.path}: OK ({cfg.target.engine} engine, target {cfg.target.model}, "
+              f"{cfg.data.limit} conversations from {cfg.data.source})")
+        return 0
+    if args.command == "status":
+        return cmd_status(cfg, args)
+    if args.command == "pause":
+        return _request(cfg, "pause", {"reason": args.reason})
+    if args.command == "resume":
+        return _request(cfg, "resume", {})
+    if args.command == "retry":
+        if bool(args.ids) == args.failed:
+            print("give sample ids or --failed", file=sys.stderr)
+            return 2
+        return _request(cfg, "retry", {"failed": True} if args.failed else {"ids": args.ids})
+    if args.command == "exclude":
+        return _request(cfg, "exclude", {"ids": args.ids, "reason": args.reason})
+    if args.command == "verify":
+        return _request(cfg, "verify-full", {})
+    try:
+        if args.command == "samples":
+            return cmd_samples(cfg, args)
+        if args.command == "events":
+            return cmd_events(cfg, args)
+    except LedgerError as exc:
+        print(f"eagle3ctl: {exc}", file=sys.stderr)
+        return 3
+    if args.command == "eval":
+        return cmd_eval(cfg, args)
+    return cmd_engine_command(cfg, args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

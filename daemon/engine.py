@@ -1,0 +1,142 @@
+"""The daemon's handle on the engine child: the transformers worker (JSON lines over pipes) or
+an SGLang server (HTTP). Both look the same to the reconcile loop: submit batches, read events,
+stop. Events are hints; the dumps in the spool are the results.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3d.daemon.children import Child
+from eagle3d.statemachine.config import Config
+
+log = logging.getLogger("eagle3d")
+
+
+class WorkerEngine:
+    """`python -m eagle3d.capture.worker`: the protocol is documented in capture/worker.py."""
+
+    kind = "transformers"
+
+    def __init__(self, cfg: Config, pid_dir: Path) -> None:
+        self.child = Child("engine", [sys.executable, "-m", "eagle3d.capture.worker",
+                                      "-c", str(cfg.path)], pid_dir,
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.ready = False
+        self.device = ""
+        self._events: queue.Queue[dict] = queue.Queue()
+        self._outbox: queue.Queue[bytes | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True, name="engine-out").start()
+        threading.Thread(target=self._write, daemon=True, name="engine-in").start()
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def _read(self) -> None:
+        assert self.child.proc.stdout is not None
+        for raw in self.child.proc.stdout:
+            try:
+                event = json.loads(raw)
+            except ValueError:
+                log.warning("engine said something that is not protocol: %r", raw[:200])
+                continue
+            if isinstance(event, dict):
+                self._events.put(event)
+
+    def _write(self) -> None:
+        # A separate thread: a large batch must never block the reconcile loop on a full pipe.
+        stdin = self.child.proc.stdin
+        assert stdin is not None
+        while (line := self._outbox.get()) is not None:
+            try:
+                stdin.write(line)
+                stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                return
+        try:
+            stdin.close()
+        except OSError:
+            pass
+
+    def submit(self, batch: list[dict[str, Any]], out: Path) -> None:
+        self._outbox.put(json.dumps({"batch": batch, "out": str(out)}).encode() + b"\n")
+
+    def events(self) -> list[dict]:
+        out = []
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if event.get("event") == "ready":
+                self.ready = True
+                self.device = str(event.get("device", ""))
+            out.append(event)
+        return out
+
+    def poll(self) -> int | None:
+        return self.child.poll()
+
+    def stop(self, grace: float) -> int:
+        """Close its input (it finishes the batch in hand and exits), then signals."""
+        self._outbox.put(None)
+        try:
+            return self.child.proc.wait(grace) if grace > 0 else self.child.stop(0)
+        except subprocess.TimeoutExpired:
+            return self.child.stop(grace)
+        finally:
+            self.child.stop(0)
+
+
+class SGLangEngine:
+    """An SGLang server with the eagle3d capture plugin, fed through its HTTP API."""
+
+    kind = "sglang"
+
+    def __init__(self, cfg: Config, pid_dir: Path, contract: dict[str, Any]) -> None:
+        from eagle3d.capture.sglang_client import SGLangClient
+        from eagle3d.capture.sglang_launcher import launch_command
+        argv, env = launch_command(cfg, contract)
+        self.child = Child("engine", argv, pid_dir, env=env)
+        self.client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}",
+                                   cfg.extract.max_inflight_samples)
+        self.ready = False
+        self.device = f"sglang tp={cfg.sglang.tp}"
+        self._next_health = 0.0
+
+    @property
+    def pid(self) -> int:
+        return self.child.pid
+
+    def submit(self, batch: list[dict[str, Any]], out: Path) -> None:
+        self.client.submit([(s["id"], s["input_ids"]) for s in batch])
+
+    def events(self) -> list[dict]:
+        if not self.ready and time.monotonic() >= self._next_health:
+            self._next_health = time.monotonic() + 2.0
+            if self.client.healthy(timeout=1.0):
+                self.ready = True
+                return [{"event": "ready", "device": self.device}]
+        return self.client.poll() if self.ready else []
+
+    def poll(self) -> int | None:
+        return self.child.poll()
+
+    def stop(self, grace: float) -> int:
+        self.client.close()
+        return self.child.stop(grace)
+
+
+def start_engine(cfg: Config, pid_dir: Path, contract: dict[str, Any]) -> WorkerEngine | SGLangEngine:
+    if cfg.target.engine == "sglang":
+        return SGLangEngine(cfg, pid_dir, contract)
+    return WorkerEngine(cfg, pid_dir)

@@ -1,0 +1,203 @@
+"""Ingest: one dump from the spool into the dataset, or rejected with a reason.
+
+validate (header, ledger, contract) → copy to the shard folder while checksumming → fsync →
+rename → commit the ledger row → unlink the spool file. Every step is safe to repeat, so a crash
+between any two repairs itself at the next start: a dataset temp file is removed, a renamed file
+whose ledger row was not committed is written again from the spool (or removed as an orphan),
+and a spool file whose sample is already committed is recognised by its checksum and dropped.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from eagle3d.capture import dumpformat
+from eagle3d.capture.dumpformat import DumpError
+from eagle3d.daemon import checksum
+from eagle3d.statemachine.atomic import fsync_dir
+from eagle3d.statemachine.ledger import Ledger
+
+log = logging.getLogger("eagle3d")
+
+SHARD_SIZE = 1000
+REJECTED = "rejected"
+KEEP_REJECTED_DATA = 16  # rejected dumps kept whole for inspection; later ones keep the reason
+
+
+class DiskFull(OSError):
+    """The dataset file system ran out of space: not the dump's fault, so it stays in the spool."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    kind: str  # "ingested" | "rejected" | "dropped" (already ingested) | "ignored"
+    sample: str | None
+    detail: str = ""
+    tokens: int = 0
+    nbytes: int = 0
+
+
+def shard_path(dataset_dir: Path, idx: int, sample_id: str) -> tuple[Path, str]:
+    rel = f"shard-{idx // SHARD_SIZE:05d}/{dumpformat.dump_name(sample_id)}"
+    return dataset_dir / rel, rel
+
+
+class Ingestor:
+    def __init__(self, ledger: Ledger, spool: Path, dataset_dir: Path, contract: dict,
+                 max_attempts: int) -> None:
+        self.ledger = ledger
+        self.spool = spool
+        self.dataset_dir = dataset_dir
+        self.contract = contract
+        self.max_attempts = max_attempts
+
+    def ingest(self, name: str) -> Outcome:
+        path = self.spool / name
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return Outcome("ignored", None, "gone")
+        if not stat.S_ISREG(st.st_mode):
+            return self._reject(path, None, "not a regular file (symlink, FIFO or folder)")
+        sid = name[:-len(dumpformat.SUFFIX)] if name.endswith(dumpformat.SUFFIX) else ""
+        if not dumpformat.SAMPLE_ID.fullmatch(sid):
+            return self._reject(path, None, f"file name {name!r} is not <sample id>.safetensors")
+        try:
+            header = dumpformat.read_header(path)
+        except (DumpError, OSError) as exc:
+            return self._reject(path, sid, f"bad dump: {exc}")
+        sample = self.ledger.sample(sid)
+        if sample is None:
+            return self._reject(path, None, f"unknown sample id {sid}")
+        if header.sample_id != sid:
+            return self._reject(path, sid, f"file {name} holds sample {header.sample_id}")
+        if sample.status in ("extracted", "verified"):
+            return self._duplicate(path, sample.checksum)
+        if sample.status == "excluded":
+            return self._reject(path, None, f"sample {sid} is excluded")
+        problem = self._mismatch(header, sample.tokens)
+        if problem:
+            return self._reject(path, sid, problem)
+        dst, rel = shard_path(self.dataset_dir, sample.idx, sid)
+        try:
+            digest, nbytes, ids = self._copy(path, dst, header)
+        except DumpError as exc:
+            return self._reject(path, sid, str(exc))
+        if dumpformat.ids_hash(ids) != sample.ids_hash:
+            dst.unlink(missing_ok=True)
+            return self._reject(path, sid, "input_ids differ from the planned token ids")
+        if not self.ledger.mark_extracted(sid, rel, nbytes, digest):
+            dst.unlink(missing_ok=True)
+            return self._reject(path, None, f"sample {sid} changed state during ingest")
+        path.unlink(missing_ok=True)
+        return Outcome("ingested", sid, rel, header.tokens, nbytes)
+
+    def _mismatch(self, header: dumpformat.DumpHeader, planned_tokens: int) -> str | None:
+        c = self.contract
+        if header.tokens != planned_tokens:
+            return (f"{header.tokens} tokens, the plan has {planned_tokens} (a decode step or a "
+                    "truncated prefill)")
+        if header.hidden_size != c["hidden_size"]:
+            return f"hidden size {header.hidden_size}, the contract says {c['hidden_size']}"
+        if header.dtype != dumpformat.DTYPE_NAMES[c["dtype"]]:
+            return f"dtype {header.dtype}, the contract says {c['dtype']}"
+        if header.contract != c["fingerprint"]:
+            return f"capture contract {header.contract!r} is not the dataset's {c['fingerprint']}"
+        return None
+
+    def _copy(self, src: Path, dst: Path, header: dumpformat.DumpHeader) -> tuple[str, int, bytes]:
+        """Copy with checksum; returns (checksum, bytes, input_ids bytes)."""
+        dst.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.tmp")
+        ids_info = header.tensors["input_ids"]
+        h = checksum.hasher()
+        fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            st = os.fstat(fd_in)
+            ids = os.pread(fd_in, ids_info.end - ids_info.begin, ids_info.begin)
+            fd_out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
+            try:
+                buf = bytearray(checksum.CHUNK)
+                view = memoryview(buf)
+                total = 0
+                while n := os.readv(fd_in, [buf]):
+                    h.update(view[:n])
+                    chunk = view[:n]
+                    while chunk:
+                        chunk = chunk[os.write(fd_out, chunk):]
+                    total += n
+                os.fsync(fd_out)
+            finally:
+                os.close(fd_out)
+            after = os.fstat(fd_in)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise DiskFull(exc.errno, f"dataset file system full while writing {dst.name}")
+            raise
+        finally:
+            os.close(fd_in)
+        if total != header.file_size or (after.st_size, after.st_mtime_ns) != (st.st_size,
+                                                                               st.st_mtime_ns):
+            tmp.unlink(missing_ok=True)
+            raise DumpError("the file changed while it was being ingested (still being written?)")
+        os.rename(tmp, dst)
+        fsync_dir(dst.parent)
+        return checksum.digest(h), total, ids
+
+    def _duplicate(self, path: Path, committed: str | None) -> Outcome:
+        """A dump for a sample already in the dataset: the leftover of a crash between commit
+        and unlink when its checksum matches, else a real duplicate."""
+        if committed and checksum.file_checksum(path) == committed:
+            path.unlink(missing_ok=True)
+            return Outcome("dropped", None, "already ingested")
+        return self._reject(path, None, "duplicate: this sample is already extracted")
+
+    def _reject(self, path: Path, retry_sid: str | None, reason: str) -> Outcome:
+        """Move the dump aside with its reason; the sample (if any) gets another attempt."""
+        rejected = self.spool / REJECTED
+        rejected.mkdir(mode=0o700, exist_ok=True)
+        target = rejected / path.name
+        kept = sum(1 for p in rejected.iterdir() if not p.name.endswith(".reason.txt"))
+        try:
+            if kept < KEEP_REJECTED_DATA:
+                os.rename(path, target)
+            else:
+                path.unlink()
+            (rejected / f"{path.name}.reason.txt").write_text(reason + "\n")
+        except FileNotFoundError:
+            pass
+        except OSError as exc:  # never let a rejection stop ingest
+            log.warning("could not move %s aside: %s", path.name, exc)
+            path.unlink(missing_ok=True)
+        if retry_sid:
+            self.ledger.mark_retry(retry_sid, f"rejected dump: {reason}", self.max_attempts,
+                                   frm=("inflight", "pending"))
+        self.ledger.event("rejected", f"{path.name}: {reason}", retry_sid)
+        log.warning("rejected %s: %s", path.name, reason)
+        return Outcome("rejected", retry_sid, reason)
+
+
+def remove_dataset_debris(dataset_dir: Path, ledger: Ledger) -> list[str]:
+    """At start: temp files of an interrupted copy, and dataset files whose ledger row says the
+    sample is not extracted (renamed, but the commit never happened)."""
+    removed = []
+    if not dataset_dir.exists():
+        return removed
+    for shard in dataset_dir.glob("shard-*"):
+        for entry in os.scandir(shard):
+            name = entry.name
+            if name.startswith("."):
+                os.unlink(entry.path)
+                removed.append(name)
+            elif name.endswith(dumpformat.SUFFIX):
+                sample = ledger.sample(name[:-len(dumpformat.SUFFIX)])
+                if sample is None or sample.status not in ("extracted", "verified"):
+                    os.unlink(entry.path)
+                    removed.append(name)
+    return removed
