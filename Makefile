@@ -30,3 +30,10 @@ test-fast: setup
 
 clean:
 	rm -rf var .pytest_cache
+
+# The service (docs/operations.md): run as root on the GPU server. DESTDIR stages the files only.
+install:
+	DESTDIR="$(DESTDIR)" PYTHON="$(PYTHON)" bash systemd/install.sh
+
+uninstall:
+	DESTDIR="$(DESTDIR)" bash systemd/uninstall.sh

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import stat
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
@@ -22,8 +20,7 @@ FOLDER = "control"
 VERBS = ("pause", "resume", "retry", "exclude", "verify-full")
 
 
-@dataclass(frozen=True)
-class Request:
+class Request(NamedTuple):
     name: str
     verb: str
     args: dict[str, Any]
@@ -36,7 +33,7 @@ def folder(state_dir: Path) -> Path:
 def send(state_dir: Path, verb: str, args: dict[str, Any], timeout: float) -> dict[str, Any] | None:
     """Write a request and wait for its acknowledgement; None when none came in time."""
     ctl = folder(state_dir)
-    name = f"{time.time_ns()}-{secrets.token_hex(4)}"
+    name = f"{time.time_ns()}-{os.urandom(4).hex()}"
     atomic_write_bytes(ctl / f"{name}.request.json",
                        json.dumps({"verb": verb, "args": args, "pid": os.getpid()}).encode(), 0o600)
     ack = ctl / f"{name}.ack.json"
@@ -95,7 +92,7 @@ def apply_all(state_dir: Path, handler: Callable[[Request], str]) -> None:
     """Apply each waiting request through `handler` (returns the message; raises ValueError for
     a request it refuses) and acknowledge it."""
     for req in pending(state_dir):
-        if isinstance(req, tuple):
+        if not isinstance(req, Request):
             acknowledge(state_dir, req[0], False, req[1])
             continue
         try:

@@ -11,7 +11,6 @@ import argparse
 import json
 import os
 import sqlite3
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -255,7 +254,7 @@ def cmd_samples(cfg: Config, args: argparse.Namespace) -> int:
     with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
         rows = ledger.samples(args.status, args.limit)
     if args.json:
-        print(json.dumps([r.__dict__ for r in rows], indent=2))
+        print(json.dumps([r._asdict() for r in rows], indent=2))
         return 0
     for r in rows:
         detail = r.error or r.reason or r.path or ""
@@ -273,6 +272,7 @@ def cmd_events(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
+    import subprocess
     argv = [sys.executable, "-m", "eagle3d.drafter.evaluate", "-c", str(cfg.path)]
     for flag in ("drafter", "source", "first", "limit", "steps", "max_new_tokens"):
         value = getattr(args, flag)

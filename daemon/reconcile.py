@@ -88,6 +88,7 @@ class Daemon:
         self.spot = SpotCheck(cfg, self.ledger)
         self.training = Training(cfg, self.pid_dir)
         self._fp_cache: tuple[int, str] = (-1, "")
+        self._manifest_cache: tuple[int, str | None] = (-1, None)
         self._last_state = 0.0
         self._last_ping = 0.0
 
@@ -190,19 +191,33 @@ class Daemon:
 
     def observe(self) -> Facts:
         counts = self.ledger.counts()
-        fp = self.verified_fingerprint()
-        spot = self.spot.result(fp)
-        doc = manifest.read(self.cfg.paths.dataset_dir) if counts.get("verified") else None
+        # The verified set's fingerprint costs a pass over it: only worth it once the gate is
+        # open, when it changes rarely (per-sample cost must stay flat at a million samples).
+        fp = self.verified_fingerprint() if stages.gate(counts).open else None
+        spot = self.spot.result(fp) if fp else None
         return Facts(
             counts=counts,
             plan_complete=self.plan_complete(),
             blocked=self.blocked or self.engine_problem or self.plan_conflict(),
             operator_pause=self.ledger.meta("pause"),
             budget_pause=self.budget_pause(counts),
-            verify_complete=bool(doc and doc.get("fingerprint") == fp and spot and spot[0]),
+            verify_complete=bool(fp and self.manifest_fingerprint() == fp and spot and spot[0]),
             train_done=self.training.done_for(fp),
             train_failed=self.training.failure,
             spot_check_failed=spot[1] if spot and not spot[0] else None)
+
+    def manifest_fingerprint(self) -> str | None:
+        """The manifest's fingerprint, re-read only when the file changes (it lists every
+        sample: parsing it at every tick would cost more than the tick)."""
+        path = self.cfg.paths.dataset_dir / manifest.FILE
+        try:
+            mtime = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if self._manifest_cache[0] != mtime:
+            doc = manifest.read(self.cfg.paths.dataset_dir)
+            self._manifest_cache = (mtime, doc.get("fingerprint") if doc else None)
+        return self._manifest_cache[1]
 
     def act(self, d: stages.Decision) -> None:
         self._ensure_ingest()

@@ -6,14 +6,12 @@ silently ignored is a setting the operator believes is in force and is not.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -64,8 +62,7 @@ def resolve_location(value: str, base: Path) -> Path:
     return path if path.is_absolute() else (base / path)
 
 
-@dataclass(frozen=True)
-class TargetConfig:
+class TargetConfig(NamedTuple):
     model: str
     engine: str = "transformers"
     dtype: str = "bfloat16"
@@ -74,8 +71,7 @@ class TargetConfig:
     model_path: Path = Path()
 
 
-@dataclass(frozen=True)
-class DataConfig:
+class DataConfig(NamedTuple):
     source: str
     format: str = "auto"
     first: int = 0
@@ -84,22 +80,19 @@ class DataConfig:
     source_path: Path = Path()
 
 
-@dataclass(frozen=True)
-class PathsConfig:
+class PathsConfig(NamedTuple):
     state_dir: Path
     spool_dir: Path
     dataset_dir: Path
     train_dir: Path
 
 
-@dataclass(frozen=True)
-class BudgetConfig:
+class BudgetConfig(NamedTuple):
     reserve: int = 10 * 1024**3
     spool_max: int = 8 * 1024**3
 
 
-@dataclass(frozen=True)
-class ExtractConfig:
+class ExtractConfig(NamedTuple):
     batch_tokens: int = 8192
     max_inflight_tokens: int = 65536
     max_inflight_samples: int = 256
@@ -110,15 +103,13 @@ class ExtractConfig:
     rescan_interval_s: float = 5.0
 
 
-@dataclass(frozen=True)
-class VerifyConfig:
+class VerifyConfig(NamedTuple):
     workers: int = 2
     spot_checks: int = 3
     spot_tolerance: float = 0.02
 
 
-@dataclass(frozen=True)
-class TrainConfig:
+class TrainConfig(NamedTuple):
     nproc: int = 1
     device: str = "auto"
     draft_vocab: int = 32000
@@ -136,8 +127,7 @@ class TrainConfig:
     threads: int = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
 
 
-@dataclass(frozen=True)
-class EvalConfig:
+class EvalConfig(NamedTuple):
     source: str = ""  # empty: the data source
     first: int = 0
     limit: int = 20
@@ -146,8 +136,7 @@ class EvalConfig:
     source_path: Path = Path()
 
 
-@dataclass(frozen=True)
-class SGLangConfig:
+class SGLangConfig(NamedTuple):
     python: str = "python3"
     tp: int = 1
     host: str = "127.0.0.1"
@@ -157,18 +146,17 @@ class SGLangConfig:
     extra_args: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(NamedTuple):
     path: Path
     target: TargetConfig
     data: DataConfig
     paths: PathsConfig
-    budget: BudgetConfig = field(default_factory=BudgetConfig)
-    extract: ExtractConfig = field(default_factory=ExtractConfig)
-    verify: VerifyConfig = field(default_factory=VerifyConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    sglang: SGLangConfig = field(default_factory=SGLangConfig)
+    budget: BudgetConfig = BudgetConfig()
+    extract: ExtractConfig = ExtractConfig()
+    verify: VerifyConfig = VerifyConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    sglang: SGLangConfig = SGLangConfig()
 
     def contract_keys(self) -> dict[str, Any]:
         """What a dataset is bound to: change one of these and the old dumps no longer fit."""
@@ -207,9 +195,8 @@ class _Checker:
                 kwargs[key] = converters[key](value)
             except (TypeError, ValueError) as exc:
                 raise self.fail(f"{section}.{key}", str(exc)) from None
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.name in converters and f.name not in kwargs
-                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        missing = [name for name in cls._fields if name in converters and name not in kwargs
+                   and name not in cls._field_defaults]
         if missing:
             raise self.fail(f"{section}.{missing[0]}", "is required")
         return cls(**kwargs)
@@ -287,13 +274,13 @@ def parse_config(raw: dict, path: Path) -> Config:
     target = chk.build(TargetConfig, "target", chk.section(raw, "target", True), {
         "model": _STR, "engine": _typed(str, choices=ENGINES), "dtype": _typed(str, choices=DTYPES),
         "aux_layers": _aux_layers, "device": _typed(str, choices=("auto", "cpu", "cuda"))})
-    target = dataclasses.replace(target, model_path=_existing(chk, "target.model", target.model,
+    target = target._replace(model_path=_existing(chk, "target.model", target.model,
                                                               base, remote_ok=True))
 
     data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
         "source": _STR, "format": _typed(str, choices=FORMATS), "first": _NONNEG_INT,
         "limit": _POS_INT, "max_tokens": _typed(int, minimum=8)})
-    data = dataclasses.replace(data, source_path=_existing(chk, "data.source", data.source, base))
+    data = data._replace(source_path=_existing(chk, "data.source", data.source, base))
 
     paths_raw = chk.section(raw, "paths", True)
     paths = chk.build(PathsConfig, "paths", paths_raw, {
@@ -331,7 +318,7 @@ def parse_config(raw: dict, path: Path) -> Config:
     ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
         "source": _STR, "first": _NONNEG_INT, "limit": _POS_INT,
         "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _POS_INT})
-    ev = dataclasses.replace(ev, source=ev.source or data.source,
+    ev = ev._replace(source=ev.source or data.source,
                              source_path=_existing(chk, "eval.source", ev.source or data.source, base))
 
     sglang = chk.build(SGLangConfig, "sglang", chk.section(raw, "sglang"), {

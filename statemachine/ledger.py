@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 SCHEMA_VERSION = 1
 
@@ -54,6 +53,9 @@ CREATE TRIGGER IF NOT EXISTS samples_upd AFTER UPDATE OF status, tokens, bytes O
     UPDATE counts SET n = n + 1, tokens = tokens + NEW.tokens, bytes = bytes + NEW.bytes
      WHERE status = NEW.status;
 END;
+CREATE TRIGGER IF NOT EXISTS skipped_ins AFTER INSERT ON skipped BEGIN
+    UPDATE counts SET n = n + 1 WHERE status = 'skipped';
+END;
 CREATE TRIGGER IF NOT EXISTS samples_del AFTER DELETE ON samples BEGIN
     UPDATE counts SET n = n - 1, tokens = tokens - OLD.tokens, bytes = bytes - OLD.bytes
      WHERE status = OLD.status;
@@ -65,8 +67,7 @@ class LedgerError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class Sample:
+class Sample(NamedTuple):
     id: str
     idx: int
     tokens: int
@@ -84,8 +85,7 @@ class Sample:
     updated_at: float
 
 
-@dataclass(frozen=True)
-class PlannedSample:
+class PlannedSample(NamedTuple):
     id: str
     idx: int
     tokens: int
@@ -95,19 +95,18 @@ class PlannedSample:
     loss_mask: bytes  # one byte per token
 
 
-@dataclass(frozen=True)
-class Counts:
+class Counts(NamedTuple):
     n: dict[str, int]
     tokens: dict[str, int]
     bytes: dict[str, int]
 
     @property
     def total(self) -> int:
-        return sum(self.n.values())
+        return sum(self.n.get(s, 0) for s in STATUSES)
 
     @property
     def total_tokens(self) -> int:
-        return sum(self.tokens.values())
+        return sum(self.tokens.get(s, 0) for s in STATUSES)
 
     def get(self, status: str) -> int:
         return self.n.get(status, 0)
@@ -156,7 +155,7 @@ class Ledger:
                               f"({SCHEMA_VERSION}); upgrade eagle3d")
         if version < SCHEMA_VERSION:
             counts = "".join(f"INSERT OR IGNORE INTO counts VALUES ('{s}', 0, 0, 0);"
-                             for s in STATUSES)
+                             for s in STATUSES + ("skipped",))
             self.db.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}{counts}"
                                   f"PRAGMA user_version={SCHEMA_VERSION};COMMIT;")
 
@@ -279,7 +278,7 @@ class Ledger:
         return -1 if row[0] is None else row[0]
 
     def skipped_count(self) -> int:
-        return self.db.execute("SELECT count(*) FROM skipped").fetchone()[0]
+        return self.counts().get("skipped")
 
     # ---- transitions --------------------------------------------------------------------------
 

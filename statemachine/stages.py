@@ -5,8 +5,8 @@ a config edit lands exactly where the facts say the pipeline is.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from eagle3d.statemachine.ledger import Counts
 
@@ -23,11 +23,10 @@ class Stage(str, Enum):
     FAILED = "failed"
 
 
-@dataclass(frozen=True)
-class Gate:
+class Gate(NamedTuple):
     """The training gate: open only when every sample is verified or excluded with a reason."""
     open: bool
-    blocking: dict[str, int] = field(default_factory=dict)
+    blocking: dict[str, int]
 
     def describe(self) -> str:
         if self.open:
@@ -40,11 +39,10 @@ class Gate:
 def gate(counts: Counts) -> Gate:
     blocking = {s: counts.get(s) for s in ("pending", "inflight", "extracted", "failed")
                 if counts.get(s)}
-    return Gate(open=not blocking and counts.get("verified") > 0, blocking=blocking)
+    return Gate(not blocking and counts.get("verified") > 0, blocking)
 
 
-@dataclass(frozen=True)
-class Facts:
+class Facts(NamedTuple):
     counts: Counts
     plan_complete: bool
     blocked: str | None = None         # config or contract problem: needs the operator
@@ -56,8 +54,7 @@ class Facts:
     spot_check_failed: str | None = None
 
 
-@dataclass(frozen=True)
-class Decision:
+class Decision(NamedTuple):
     stage: Stage
     reason: str
     # The stage the pipeline would be in if nothing paused it: what a pause holds back.

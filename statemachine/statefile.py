@@ -11,8 +11,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -33,6 +31,7 @@ def _clean(value: Any) -> Any:
 
 
 def write_state(state_dir: Path, state: dict[str, Any]) -> None:
+    import tomli_w  # here, not at the top: eagle3ctl only reads, and must start in a blink
     atomic_write_bytes(Path(state_dir) / FILE, tomli_w.dumps(_clean(state)).encode())
 
 

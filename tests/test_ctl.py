@@ -1,0 +1,98 @@
+"""eagle3ctl against a real daemon process: status, control requests and their refusals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3d.daemon import control
+from tests.conftest import venv_bin, write_conversations
+
+
+def ctl(config: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([venv_bin("eagle3ctl"), "-c", str(config), *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def wait_for(predicate, timeout: float = 120, what: str = "condition"):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def status(config: Path) -> dict:
+    return json.loads(ctl(config, "status", "--json").stdout)
+
+
+def test_status_imports_nothing_heavy():
+    code = ("import sys; from eagle3d.daemon.ctl import main; "
+            "import contextlib, io; sys.argv=['eagle3ctl','-c','etc/demo.toml','status','--json'];"
+            "\nwith contextlib.redirect_stdout(io.StringIO()):\n    main(sys.argv[1:])\n"
+            "heavy=[m for m in ('torch','transformers','numpy','safetensors') if m in sys.modules];"
+            "print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert out.stdout.strip() == "[]", out.stderr
+
+
+def test_status_without_a_daemon_says_not_running(config_factory):
+    config = config_factory()
+    proc = ctl(config, "status")
+    assert proc.returncode == 3
+    assert "NOT RUNNING" in proc.stdout
+    st = json.loads(ctl(config, "status", "--json").stdout)
+    for key in ("stage", "reason", "samples", "tokens", "rate", "eta_s", "disk", "daemon"):
+        assert key in st
+    assert st["daemon"]["alive"] is False
+    assert set(st["samples"]) >= {"total", "pending", "inflight", "extracted", "verified",
+                                  "failed", "excluded"}
+    assert "not running" in ctl(config, "pause").stderr
+
+
+def test_control_requests_against_a_running_daemon(tmp_path, config_factory):
+    source = write_conversations(tmp_path / "conv.jsonl", 12)
+    config = config_factory({"data": {"source": str(source), "format": "messages", "limit": 12}})
+    daemon = subprocess.Popen([venv_bin("eagle3d"), "run", "-c", str(config)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for(lambda: status(config)["daemon"]["alive"], what="the daemon's heartbeat")
+        proc = ctl(config, "pause", "--reason", "disk maintenance")
+        assert proc.returncode == 0 and "paused" in proc.stdout
+        st = wait_for(lambda: (s := status(config))["stage"] == "paused" and s, what="paused")
+        assert "disk maintenance" in st["reason"]
+        assert ctl(config, "status").returncode == 0
+        bad = ctl(config, "exclude", "0" * 32, "--reason", "test")
+        assert bad.returncode == 1 and "unknown sample ids" in bad.stderr
+        state_dir = tmp_path / "state"
+        # A request of an unknown verb, and one from a file owned by someone else.
+        ctl_dir = control.folder(state_dir)
+        (ctl_dir / "1-a.request.json").write_text(json.dumps({"verb": "format-disk"}))
+        foreign = ctl_dir / "2-b.request.json"
+        foreign.write_text(json.dumps({"verb": "resume"}))
+        os.chown(foreign, 65534, 65534)
+        acks = wait_for(lambda: sorted(ctl_dir.glob("*.ack.json")) if
+                        len(list(ctl_dir.glob("*.ack.json"))) == 2 else None, what="acks")
+        replies = [json.loads(p.read_text()) for p in acks]
+        assert "unknown verb" in replies[0]["message"] and not replies[0]["ok"]
+        assert "not the daemon's user" in replies[1]["message"] and not replies[1]["ok"]
+        assert status(config)["stage"] == "paused"  # the foreign resume did nothing
+        assert ctl(config, "resume").returncode == 0
+        wait_for(lambda: status(config)["stage"] != "paused", what="resumed")
+        events = ctl(config, "events").stdout
+        assert "paused" in events and "resumed" in events
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        out, _ = daemon.communicate(timeout=120)
+    assert daemon.returncode == 0, out
+    assert ctl(config, "status").returncode == 3

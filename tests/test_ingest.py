@@ -1,0 +1,184 @@
+"""Ingest on real files: every bad dump is rejected with a reason and never ingested, every good
+one lands once, and a flood of renames into a watched tmpfs loses nothing."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eagle3d.capture import dumpformat
+from eagle3d.daemon import checksum
+from eagle3d.daemon.ingest import Ingestor, remove_dataset_debris
+from eagle3d.daemon.spool import Spool
+from eagle3d.statemachine.ledger import Ledger, PlannedSample
+
+H = 16
+CONTRACT = {"fingerprint": "c" * 32, "hidden_size": H, "dtype": "bfloat16"}
+
+
+def sample_ids(i: int, tokens: int) -> bytes:
+    return np.arange(i, i + tokens, dtype="<i4").tobytes()
+
+
+def write(spool: Path, sid: str, ids: bytes, tokens: int | None = None, hidden: int = H,
+          contract: str = CONTRACT["fingerprint"], values: np.ndarray | None = None) -> Path:
+    t = len(ids) // 4 if tokens is None else tokens
+    rng = np.random.default_rng(0)
+    aux = (values if values is not None else rng.standard_normal((t, 3 * hidden))).astype(np.float32)
+    bf16 = lambda a: (a.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731
+    last = rng.standard_normal((t, hidden)).astype(np.float32)
+    return dumpformat.write_dump(spool, sid, contract, {
+        "input_ids": ("I32", (t,), ids[:4 * t]),
+        "loss_mask": ("U8", (t,), bytes([1]) * t),
+        "aux_hidden_states": ("BF16", (t, 3 * hidden), bf16(aux).tobytes()),
+        "last_hidden_state": ("BF16", (t, hidden), bf16(last).tobytes())})
+
+
+@pytest.fixture
+def env(tmp_path):
+    spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:8]}"
+    spool.mkdir()
+    ledger = Ledger(tmp_path / "ledger.sqlite")
+    samples = []
+    for i in range(6):
+        sid = f"{i:032x}"
+        ids = sample_ids(i, 8 + i)
+        samples.append(PlannedSample(sid, i, 8 + i, 8 + i, dumpformat.ids_hash(ids), ids,
+                                     b"\1" * (8 + i)))
+    ledger.add_planned(samples, [], {})
+    ledger.claim(100, 10_000)
+    ing = Ingestor(ledger, spool, tmp_path / "dataset", CONTRACT, max_attempts=3)
+    yield ing, ledger, spool, samples
+    ledger.close()
+    shutil.rmtree(spool, ignore_errors=True)
+
+
+def reason_of(spool: Path, name: str) -> str:
+    return (spool / "rejected" / f"{name}.reason.txt").read_text()
+
+
+def test_a_good_dump_lands_once_with_its_checksum(env):
+    ing, ledger, spool, samples = env
+    s = samples[0]
+    path = write(spool, s.id, s.input_ids)
+    out = ing.ingest(path.name)
+    assert out.kind == "ingested"
+    row = ledger.sample(s.id)
+    dst = ing.dataset_dir / row.path
+    assert row.status == "extracted" and row.path.startswith("shard-00000/")
+    assert checksum.file_checksum(dst) == row.checksum and row.bytes == dst.stat().st_size
+    assert not path.exists()
+    again = write(spool, s.id, s.input_ids)
+    assert ing.ingest(again.name).kind == "dropped"  # a crash between commit and unlink
+    assert ledger.counts().get("extracted") == 1
+
+
+@pytest.mark.parametrize("case,expect", [
+    ("decode step", "tokens, the plan has"),
+    ("truncated", "bad dump"),
+    ("header larger than file", "bad dump: header length"),
+    ("invalid header json", "not valid JSON"),
+    ("wrong hidden size", "hidden size"),
+    ("other contract", "capture contract"),
+    ("ids differ", "input_ids differ"),
+    ("empty", "bad dump: file too short"),
+])
+def test_bad_dumps_are_rejected_and_retried(env, case, expect):
+    ing, ledger, spool, samples = env
+    s = samples[1]
+    name = dumpformat.dump_name(s.id)
+    if case == "decode step":
+        write(spool, s.id, s.input_ids, tokens=1)
+    elif case == "truncated":
+        p = write(spool, s.id, s.input_ids)
+        os.truncate(p, p.stat().st_size - 7)
+    elif case == "header larger than file":
+        (spool / name).write_bytes((10**6).to_bytes(8, "little") + b"{}")
+    elif case == "invalid header json":
+        (spool / name).write_bytes((8).to_bytes(8, "little") + b"{not js}")
+    elif case == "wrong hidden size":
+        write(spool, s.id, s.input_ids, hidden=H * 2)
+    elif case == "other contract":
+        write(spool, s.id, s.input_ids, contract="d" * 32)
+    elif case == "ids differ":
+        write(spool, s.id, sample_ids(99, s.tokens))
+    elif case == "empty":
+        (spool / name).write_bytes(b"")
+    out = ing.ingest(name)
+    assert out.kind == "rejected" and expect in out.detail
+    assert expect in reason_of(spool, name)
+    row = ledger.sample(s.id)
+    assert row.status == "pending" and expect in row.error
+    assert not list(ing.dataset_dir.rglob("*.safetensors")) if ing.dataset_dir.exists() else True
+
+
+def test_hostile_names_and_file_kinds(env, tmp_path):
+    ing, ledger, spool, samples = env
+    outside = tmp_path / "secret.safetensors"
+    outside.write_bytes(b"x" * 100)
+    link = spool / dumpformat.dump_name(samples[2].id)
+    link.symlink_to(outside)
+    os.mkfifo(spool / dumpformat.dump_name(samples[3].id))
+    (spool / "..%2Fetc%2Fpasswd.safetensors").write_bytes(b"x")
+    write(spool, "f" * 32, sample_ids(0, 4))  # unknown sample id
+    results = {n: ing.ingest(n) for n in sorted(os.listdir(spool)) if n != "rejected"}
+    assert all(r.kind == "rejected" for r in results.values())
+    assert "not a regular file" in results[link.name].detail
+    assert "not <sample id>" in results["..%2Fetc%2Fpasswd.safetensors"].detail
+    assert "unknown sample id" in results["f" * 32 + ".safetensors"].detail
+    assert outside.read_bytes() == b"x" * 100  # never followed
+    assert ledger.counts().get("extracted") == 0
+
+
+def test_duplicate_for_an_extracted_sample_is_rejected(env):
+    ing, ledger, spool, samples = env
+    s = samples[4]
+    assert ing.ingest(write(spool, s.id, s.input_ids).name).kind == "ingested"
+    other = write(spool, s.id, s.input_ids, values=np.ones((s.tokens, 3 * H)))
+    out = ing.ingest(other.name)
+    assert out.kind == "rejected" and "duplicate" in out.detail
+    assert ledger.sample(s.id).status == "extracted"
+
+
+def test_debris_of_an_interrupted_ingest_is_removed(env):
+    ing, ledger, spool, samples = env
+    s = samples[5]
+    shard = ing.dataset_dir / "shard-00000"
+    shard.mkdir(parents=True)
+    (shard / f".{s.id}.safetensors.tmp").write_bytes(b"partial")
+    (shard / f"{s.id}.safetensors").write_bytes(b"renamed but never committed")
+    removed = remove_dataset_debris(ing.dataset_dir, ledger)
+    assert len(removed) == 2 and not list(shard.iterdir())
+
+
+def test_a_flood_of_renames_is_never_missed(tmp_path):
+    """More renames than inotify's default queue holds: the rescan catches what events miss."""
+    spool = Path("/dev/shm") / f"eagle3d-flood-{uuid.uuid4().hex[:8]}"
+    spool.mkdir()
+    outside = Path("/dev/shm") / f"eagle3d-flood-src-{uuid.uuid4().hex[:8]}"
+    outside.mkdir()
+    try:
+        watcher = Spool(spool, rescan_interval=0.5)
+        n = 20_000
+        for i in range(n):
+            tmp = outside / f"{i:032x}.tmp"  # renamed in from outside: a *created* event
+            tmp.write_bytes(b"")
+            os.rename(tmp, spool / f"{i:032x}.safetensors")
+        seen: set[str] = set()
+        deadline = time.time() + 60
+        while len(seen) < n and time.time() < deadline:
+            watcher.rescan()
+            while (name := watcher.take(0.05)) is not None:
+                assert name not in seen
+                seen.add(name)
+        watcher.stop()
+        assert len(seen) == n
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+        shutil.rmtree(outside, ignore_errors=True)

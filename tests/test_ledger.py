@@ -1,0 +1,114 @@
+"""The ledger and the stage rules: a sample is never in two states nor counted twice, the gate
+opens only when every sample is verified or excluded with a reason."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from eagle3d.statemachine.ledger import Ledger, LedgerError, PlannedSample
+from eagle3d.statemachine.stages import Facts, Stage, derive, gate
+
+
+def planned(n: int, start: int = 0) -> list[PlannedSample]:
+    return [PlannedSample(f"{i:032x}", i, 10 + i, 5, "h", b"\0" * 4, b"\1") for i in
+            range(start, start + n)]
+
+
+@pytest.fixture
+def ledger(tmp_path):
+    with Ledger(tmp_path / "ledger.sqlite") as led:
+        yield led
+
+
+def test_counts_follow_every_transition(ledger):
+    ledger.add_planned(planned(5), [(5, "empty")], {"plan.through": "5"})
+    claimed = ledger.claim(10, 1000)
+    assert [s.idx for s in claimed] == [0, 1, 2, 3, 4]
+    ledger.mark_extracted(claimed[0].id, "p", 100, "c")
+    ledger.mark_retry(claimed[1].id, "boom", max_attempts=1)
+    ledger.mark_retry(claimed[2].id, "boom", max_attempts=3)
+    ledger.mark_verified(claimed[0].id, "stat")
+    c = ledger.counts()
+    assert c.n == {"pending": 1, "inflight": 2, "extracted": 0, "verified": 1, "failed": 1,
+                   "excluded": 0, "skipped": 1}
+    assert c.bytes["verified"] == 100
+    assert c.tokens["inflight"] == claimed[3].tokens + claimed[4].tokens
+    actual = dict(ledger.db.execute("SELECT status, count(*) FROM samples GROUP BY status"))
+    assert {k: v for k, v in c.n.items() if v and k != "skipped"} == actual
+    assert ledger.skipped_count() == 1
+
+
+def test_a_transition_from_the_wrong_state_does_nothing(ledger):
+    ledger.add_planned(planned(1), [], {})
+    sid = planned(1)[0].id
+    assert not ledger.mark_verified(sid, "x")  # pending cannot become verified
+    ledger.claim(1, 100)
+    assert ledger.mark_extracted(sid, "p", 1, "c")
+    assert not ledger.mark_extracted(sid, "p", 1, "c")  # no double counting
+    assert ledger.counts().get("extracted") == 1
+
+
+def test_duplicate_conversations_are_recorded_once(ledger):
+    dup = [PlannedSample("a" * 32, 0, 10, 5, "h", b"", b""),
+           PlannedSample("a" * 32, 1, 10, 5, "h", b"", b"")]
+    assert ledger.add_planned(dup, [], {}) == 1
+    assert ledger.counts().total == 1
+    assert ledger.skipped_reasons() == {"duplicate": 1}
+
+
+def test_concurrent_claims_never_hand_out_a_sample_twice(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as led:
+        led.add_planned(planned(400), [], {})
+    got: list[str] = []
+    lock = threading.Lock()
+
+    def worker():
+        with Ledger(path) as led:
+            while batch := led.claim(7, 10_000):
+                with lock:
+                    got.extend(s.id for s in batch)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 400 and len(set(got)) == 400
+
+
+def test_exclusion_needs_a_reason(ledger):
+    ledger.add_planned(planned(1), [], {})
+    with pytest.raises(LedgerError):
+        ledger.exclude([planned(1)[0].id], "  ")
+
+
+def test_gate_opens_only_when_everything_is_accounted_for(ledger):
+    ledger.add_planned(planned(3), [], {})
+    ids = [s.id for s in ledger.claim(3, 1000)]
+    for sid in ids:
+        ledger.mark_extracted(sid, "p", 1, "c")
+    ledger.mark_verified(ids[0], "s")
+    ledger.mark_verified(ids[1], "s")
+    assert not gate(ledger.counts()).open
+    ledger.mark_retry(ids[2], "bad", 1, frm=("extracted",))
+    g = gate(ledger.counts())
+    assert not g.open and g.blocking == {"failed": 1}
+    d = derive(Facts(ledger.counts(), plan_complete=True, verify_complete=True))
+    assert d.stage == Stage.VERIFY and "retry" in d.reason
+    ledger.exclude([ids[2]], "operator: known bad conversation")
+    assert gate(ledger.counts()).open
+    d = derive(Facts(ledger.counts(), plan_complete=True, verify_complete=True))
+    assert d.stage == Stage.TRAIN
+
+
+def test_stage_derivation_order(ledger):
+    ledger.add_planned(planned(2), [], {})
+    c = ledger.counts()
+    assert derive(Facts(c, plan_complete=False)).stage == Stage.PLAN
+    assert derive(Facts(c, plan_complete=True)).stage == Stage.EXTRACT
+    paused = derive(Facts(c, plan_complete=True, budget_pause="disk budget: full"))
+    assert paused.stage == Stage.PAUSED and paused.underlying == Stage.EXTRACT
+    assert derive(Facts(c, plan_complete=True, blocked="contract")).stage == Stage.FAILED
