@@ -34,10 +34,13 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for a child: ours, minus systemd's notify and watchdog variables (only
-    the daemon talks to systemd), plus unbuffered Python output for line-by-line logs."""
+    the daemon talks to systemd), plus unbuffered Python output and no progress bars."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS")}
     env["PYTHONUNBUFFERED"] = "1"
+    # The journal wants one line per event, not progress bars redrawn with carriage returns.
+    env.setdefault("TQDM_DISABLE", "1")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     env.update(extra or {})
     return env
 

@@ -284,10 +284,9 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
-    import shlex
+    from eagle3d.capture.sglang_launcher import launch_command, shell_line
     if cfg.target.engine == "sglang":
         from eagle3d.capture import contract
-        from eagle3d.capture.sglang_launcher import launch_command
         c = contract.read(cfg.paths.dataset_dir)
         if c is None:
             print("no capture contract yet: the plan stage writes it "
@@ -296,7 +295,7 @@ def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
         argv, env = launch_command(cfg, c)
     else:
         argv, env = [sys.executable, "-m", "eagle3d.capture.worker", "-c", str(cfg.path)], {}
-    print(" ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in argv]))
+    print(shell_line(argv, env))
     return 0
 
 
@@ -342,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `eagle3ctl status | head` ends quietly
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config)

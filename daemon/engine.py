@@ -21,6 +21,10 @@ from eagle3d.statemachine.config import Config
 log = logging.getLogger("eagle3d")
 
 
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be started as configured; the message tells the operator why."""
+
+
 class WorkerEngine:
     """`python -m eagle3d.capture.worker`: the protocol is documented in capture/worker.py."""
 
@@ -104,8 +108,14 @@ class SGLangEngine:
 
     def __init__(self, cfg: Config, pid_dir: Path, contract: dict[str, Any]) -> None:
         from eagle3d.capture.sglang_client import SGLangClient
-        from eagle3d.capture.sglang_launcher import launch_command
-        argv, env = launch_command(cfg, contract)
+        from eagle3d.capture.sglang_launcher import check_version, launch_command
+        problem = check_version(cfg.sglang.python)
+        if problem:
+            raise EngineUnavailable(problem)
+        try:
+            argv, env = launch_command(cfg, contract)
+        except ValueError as exc:
+            raise EngineUnavailable(f"[sglang] {exc}") from None
         self.child = Child("engine", argv, pid_dir, env=env)
         self.client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}",
                                    cfg.extract.max_inflight_samples)

@@ -20,7 +20,7 @@ from typing import Any
 from eagle3d.capture import contract as capture_contract
 from eagle3d.daemon import budgets, control
 from eagle3d.daemon.children import Child, end_orphans
-from eagle3d.daemon.engine import start_engine
+from eagle3d.daemon.engine import EngineUnavailable, start_engine
 from eagle3d.daemon.ingest import DiskFull, Ingestor, remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.spool import Spool
@@ -169,6 +169,7 @@ class Daemon:
             self._engine_events()
             if self.spool is not None:
                 self.spool.rescan(force=True)
+            self._publish()
             time.sleep(0.2)
 
     # ---- the tick -----------------------------------------------------------------------------
@@ -220,16 +221,19 @@ class Daemon:
         return self._manifest_cache[1]
 
     def act(self, d: stages.Decision) -> None:
+        working = d.stage == d.underlying
+        self._step_plan(d.underlying == Stage.PLAN and working)
+        if self.contract is None:
+            self.contract = capture_contract.read(self.cfg.paths.dataset_dir)
         self._ensure_ingest()
         self._engine_events()
-        working = d.stage == d.underlying
-        if d.underlying == Stage.PLAN and working:
-            self._step_plan()
         # A pause holds dispatch back, not the loaded model: resuming must not pay its load again.
+        # A re-plan (a larger limit) keeps it too: extraction resumes right after.
         if d.underlying in (Stage.EXTRACT, Stage.VERIFY) and d.stage != Stage.FAILED:
             self._ensure_engine()
-        elif self.engine is not None:
-            log.info("stopping the engine: %s needs no target model", d.underlying.value)
+        elif self.engine is not None and (d.underlying in (Stage.TRAIN, Stage.DONE)
+                                          or d.stage == Stage.FAILED):
+            log.info("stopping the engine: stage %s needs no target model", d.stage.value)
             self.engine.stop(ENGINE_STOP_GRACE)
             self.engine = None
         if d.underlying == Stage.EXTRACT:
@@ -268,17 +272,19 @@ class Daemon:
                 f"(was {', '.join(str(m('plan.' + k)) for k in changed)}); point [paths] "
                 "state_dir and dataset_dir at new folders to start a new dataset")
 
-    def _step_plan(self) -> None:
+    def _step_plan(self, wanted: bool) -> None:
+        """Start the planner when the plan is wanted; reap it whenever it exits (the stage may
+        move on, from the ledger's plan.* keys, before its exit is seen)."""
         if self.planner is None:
-            self.planner = Child("planner", [sys.executable, "-m", "eagle3d.capture.planner",
-                                             "-c", str(self.cfg.path)], self.pid_dir)
+            if wanted:
+                self.planner = Child("planner", [sys.executable, "-m", "eagle3d.capture.planner",
+                                                 "-c", str(self.cfg.path)], self.pid_dir)
             return
         code = self.planner.poll()
         if code is None:
             return
         self.planner = None
         if code == 0:
-            self.contract = capture_contract.read(self.cfg.paths.dataset_dir)
             self.planner_failures = 0
             return
         if code == 3:
@@ -350,9 +356,13 @@ class Daemon:
                                        f"{self.cfg.extract.engine_max_restarts}); see the log")
                 return
             self.engine_retry_at = time.time() + min(60.0, 2.0 ** self.engine_restarts)
-        if time.time() < self.engine_retry_at or self.contract is None:
+        if time.time() < self.engine_retry_at or self.contract is None or self.engine_problem:
             return
-        self.engine = start_engine(self.cfg, self.pid_dir, self.contract)
+        try:
+            self.engine = start_engine(self.cfg, self.pid_dir, self.contract)
+        except EngineUnavailable as exc:
+            self.engine_problem = str(exc)
+            log.error("cannot start the engine: %s", exc)
 
     def _engine_events(self) -> None:
         if self.engine is None:
@@ -484,9 +494,9 @@ class Daemon:
         else:
             self.cfg = new
             self.config_problem = None
-            self.training.cfg = new
-            self.spot.cfg = new
-            self.verify = None
+            for part in (self.training, self.spot, self.verify):
+                if part is not None:
+                    part.cfg = new
             self.blocked = None
             self.training.failure = None
             log.info("config reloaded from %s", new.path)
@@ -538,7 +548,8 @@ class Daemon:
         if stage == "train" and trainer.get("eta_s") is not None:
             eta = trainer["eta_s"]
         return {
-            "stage": "stopped" if final else (d.stage.value if d else "plan"),
+            "stage": "stopped" if final else "stopping" if self.stopping else (
+                d.stage.value if d else "plan"),
             "underlying": stage,
             "reason": ("daemon stopped; " + (d.reason if d else "")) if final else (d.reason if d else ""),
             "since": self.stage_since,

@@ -1,0 +1,340 @@
+"""The plan child: `python -m eagle3d.capture.planner -c CONFIG`.
+
+Turns the configured slice of the conversation source into ledger rows: one `pending` sample per
+usable conversation (its token ids and loss mask, as the target's tokenizer and chat template
+produce them) and one `skipped` row, with the reason, per conversation that cannot be used. Every
+source index in the slice ends up in exactly one of the two, so the counts always add up.
+
+It also writes the dataset's capture contract (`<dataset_dir>/capture.toml`) on first run, and
+refuses (exit 3) to plan into a dataset whose contract differs from the config's.
+
+Resumable: each batch of ~256 conversations is one ledger transaction, and a restart begins after
+the highest source index already recorded. The daemon reads progress from the ledger meta keys
+`plan.*`; this process never decides on its own that the plan is complete.
+
+Exit codes: 0 done, 2 bad config or unreadable input, 3 contract mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from eagle3d.capture import contract, dumpformat, target
+from eagle3d.capture.conversations import Conversation, iter_conversations
+from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.ledger import Ledger, PlannedSample
+
+log = logging.getLogger("eagle3d.planner")
+
+BATCH = 256
+PROGRESS_EVERY_S = 5.0
+# A conversation whose rendered text is longer than this many characters per allowed token is
+# first tokenized by its head only: most such conversations are far over max_tokens, and
+# tokenizing megabytes to learn that costs most of the planning time.
+HEAD_CHARS_PER_TOKEN = 5
+# BPE on a cut text can differ from the full text only around the cut; this margin covers that.
+HEAD_MARGIN = 64
+
+
+class ContractMismatch(RuntimeError):
+    """The dataset folder already holds dumps made under another contract."""
+
+
+def _hash(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def architecture(model_config: Any) -> str:
+    """The target's model class name. GGUF configs carry no `architectures`; the causal-LM class
+    transformers picks for the model type is the one that will be loaded."""
+    if getattr(model_config, "architectures", None):
+        return model_config.architectures[0]
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_config.model_type, model_config.model_type)
+
+
+def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, Any]:
+    text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
+        else model_config
+    num_layers = text_config.num_hidden_layers
+    layer_ids = list(cfg.target.aux_layers or contract.default_layer_ids(num_layers))
+    bad = [i for i in layer_ids if not 1 <= i < num_layers]
+    if bad:
+        raise ConfigError(f"{cfg.path}: [target.aux_layers] {layer_ids}: ids must be between 1 and "
+                          f"{num_layers - 1} for this {num_layers}-layer target (id i is the hidden "
+                          f"state entering layer i)")
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ConfigError(f"{cfg.path}: [target.model] the planner needs a fast (Rust) tokenizer; "
+                          f"{type(tokenizer).__name__} is not one")
+    template = tokenizer.chat_template
+    if template is None:
+        raise ConfigError(f"{cfg.path}: [target.model] the tokenizer has no chat template")
+    return {
+        "format": dumpformat.FORMAT,
+        "target": cfg.target.model,
+        "target_fingerprint": target.fingerprint_file_or_folder(cfg.target.model_path),
+        "tokenizer_fingerprint": _hash(backend.to_str()),
+        "chat_template_fingerprint": _hash(json.dumps(template, sort_keys=True)),
+        "layer_ids": layer_ids,
+        "layer_convention": contract.LAYER_CONVENTION,
+        "final_state": contract.FINAL_STATE,
+        "dtype": cfg.target.dtype,
+        "hidden_size": text_config.hidden_size,
+        "num_layers": num_layers,
+        "vocab_size": text_config.vocab_size,
+        "architecture": architecture(model_config),
+        "engine": cfg.target.engine,
+    }
+
+
+def ensure_contract(dataset_dir: Path, wanted: dict[str, Any]) -> dict[str, Any]:
+    """The dataset's contract: the existing one if it matches `wanted`, else a new file."""
+    existing = contract.read(dataset_dir)
+    if existing is None:
+        Path(dataset_dir).mkdir(parents=True, exist_ok=True)
+        return contract.write(dataset_dir, wanted)
+    diff = contract.differences(existing, wanted)
+    if diff:
+        raise ContractMismatch(
+            f"{Path(dataset_dir) / contract.FILE} was made with other settings ({'; '.join(diff)});"
+            " point [paths] dataset_dir and state_dir at new folders to start a new dataset")
+    return existing
+
+
+# ---- one conversation -------------------------------------------------------------------------
+
+def sample_id(messages: Sequence[dict]) -> str:
+    raw = json.dumps(list(messages), sort_keys=True, ensure_ascii=False).encode()
+    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
+    """Character spans of `text` (the rendered conversation) that the assistant wrote, each with
+    the template's end-of-turn marker: the drafter must learn to predict the end of a turn too.
+
+    Found by rendering prefixes, which works for templates without {% generation %} markers: the
+    turn is what `messages[:i+1]` adds to `messages[:i]` rendered with the generation prompt. A
+    template that renders earlier turns differently once later ones follow (or an assistant
+    turn first) falls back to locating the content itself."""
+    spans = []
+    cursor = 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant" or not m["content"]:
+            continue
+        span = None
+        if i > 0:
+            before = tokenizer.apply_chat_template(messages[:i], tokenize=False,
+                                                   add_generation_prompt=True)
+            upto = tokenizer.apply_chat_template(messages[:i + 1], tokenize=False)
+            if upto.startswith(before) and text.startswith(upto) and len(before) >= cursor:
+                span = (len(before), len(upto))
+        if span is None:
+            at = text.find(m["content"], cursor)
+            if at < 0:
+                raise ValueError("the chat template does not render an assistant turn verbatim")
+            span = (at, at + len(m["content"]))
+        spans.append(span)
+        cursor = span[1]
+    return spans
+
+
+def loss_mask_for(offsets: Sequence[tuple[int, int]], spans: Iterable[tuple[int, int]]) -> np.ndarray:
+    """One byte per token: 1 where the token overlaps an assistant span."""
+    where = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(where), dtype=bool)
+    for s, e in spans:
+        mask |= (where[:, 0] < e) & (where[:, 1] > s)
+    return mask.astype(np.uint8)
+
+
+@dataclass
+class _Rendered:
+    conv: Conversation
+    messages: list[dict]
+    text: str
+
+
+def _render(tokenizer: Any, conv: Conversation) -> _Rendered | str:
+    """The rendered conversation, or why it cannot be used."""
+    if conv.messages is None:
+        return conv.problem or "unusable"
+    messages = [dict(m) for m in conv.messages]
+    try:
+        for m in messages:
+            m["content"].encode("utf-8")
+    except UnicodeEncodeError:
+        return "not valid Unicode text (lone surrogates)"
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as exc:  # a template may raise on any shape of conversation
+        return f"chat template failed: {exc}"
+    if not isinstance(text, str) or not text:
+        return "chat template rendered nothing"
+    return _Rendered(conv, messages, text)
+
+
+def plan_batch(tokenizer: Any, convs: Sequence[Conversation],
+               max_tokens: int) -> tuple[list[PlannedSample], list[tuple[int, str]]]:
+    """Samples and (index, reason) skips for a batch of conversations; every one lands in one."""
+    backend = tokenizer.backend_tokenizer
+    skipped: list[tuple[int, str]] = []
+    rendered: list[_Rendered] = []
+    for conv in convs:
+        r = _render(tokenizer, conv)
+        if isinstance(r, str):
+            skipped.append((conv.idx, r))
+        else:
+            rendered.append(r)
+
+    head_chars = max_tokens * HEAD_CHARS_PER_TOKEN
+    long = [r for r in rendered if len(r.text) > head_chars]
+    if long:
+        heads = _encode(backend, [r.text[:head_chars] for r in long], offsets=False)
+        over = set()
+        for r, enc in zip(long, heads):
+            if isinstance(enc, str):
+                continue  # the full encoding below reports it
+            if len(enc.ids) > max_tokens + HEAD_MARGIN:
+                over.add(id(r))
+                skipped.append((r.conv.idx, f"over max_tokens (more than "
+                                            f"{len(enc.ids) - HEAD_MARGIN} tokens)"))
+        rendered = [r for r in rendered if id(r) not in over]
+
+    samples: list[PlannedSample] = []
+    for r, enc in zip(rendered, _encode(backend, [r.text for r in rendered], offsets=True)):
+        if isinstance(enc, str):
+            skipped.append((r.conv.idx, enc))
+            continue
+        n = len(enc.ids)
+        if n > max_tokens:
+            skipped.append((r.conv.idx, f"over max_tokens ({n} tokens)"))
+            continue
+        try:
+            mask = loss_mask_for(enc.offsets, assistant_spans(tokenizer, r.messages, r.text))
+        except Exception as exc:
+            skipped.append((r.conv.idx, f"cannot find the assistant turns: {exc}"))
+            continue
+        loss_tokens = int(mask.sum())
+        if loss_tokens == 0:
+            skipped.append((r.conv.idx, "no loss tokens"))
+            continue
+        ids = np.asarray(enc.ids, dtype="<i4").tobytes()
+        samples.append(PlannedSample(id=sample_id(r.messages), idx=r.conv.idx, tokens=n,
+                                     loss_tokens=loss_tokens, ids_hash=dumpformat.ids_hash(ids),
+                                     input_ids=ids, loss_mask=mask.tobytes()))
+    return samples, skipped
+
+
+def _encode(backend: Any, texts: list[str], offsets: bool) -> list[Any]:
+    """Batch encoding on all cores; when the batch fails, one by one, so that one text the
+    tokenizer chokes on costs only itself (its entry becomes the reason)."""
+    if not texts:
+        return []
+    encode = backend.encode_batch if offsets else backend.encode_batch_fast
+    try:
+        return encode(texts, add_special_tokens=False)
+    except Exception:
+        out: list[Any] = []
+        for t in texts:
+            try:
+                out.append(encode([t], add_special_tokens=False)[0])
+            except Exception as exc:
+                out.append(f"tokenizer failed: {exc}")
+        return out
+
+
+# ---- the whole plan ---------------------------------------------------------------------------
+
+def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
+    data = cfg.data
+    end = data.first + data.limit
+    start = max(data.first, ledger.max_idx() + 1)
+    base_meta = {"plan.source": data.source, "plan.first": str(data.first),
+                 "plan.max_tokens": str(data.max_tokens),
+                 "plan.bytes_per_token": str(dumpformat.bytes_per_token(hidden_size,
+                                                                        cfg.target.dtype))}
+    if start >= end:
+        log.info("plan already covers source indices %d..%d; nothing to do", data.first, end - 1)
+        return
+    log.info("planning source indices %d..%d of %s", start, end - 1, data.source_path)
+    t0 = last_report = time.monotonic()
+    read = planned = skipped = 0
+    through = start - 1
+    batch: list[Conversation] = []
+
+    def flush(final_meta: dict[str, str]) -> None:
+        nonlocal planned, skipped
+        samples, skips = plan_batch(tokenizer, batch, data.max_tokens)
+        # A duplicate conversation is recorded by the ledger as skipped, not as a sample.
+        added = ledger.add_planned(samples, skips, {**base_meta, "plan.through": str(through),
+                                                    **final_meta})
+        planned += added
+        skipped += len(batch) - added
+        batch.clear()
+
+    for conv in iter_conversations(data.source_path, data.format, start, end - start):
+        batch.append(conv)
+        read += 1
+        through = conv.idx
+        if len(batch) >= BATCH:
+            flush({})
+        now = time.monotonic()
+        if now - last_report >= PROGRESS_EVERY_S:
+            last_report = now
+            log.info("planned %d/%d conversations (%.0f/s): %d samples, %d skipped",
+                     through - data.first + 1, data.limit, read / (now - t0), planned, skipped)
+    exhausted = through < end - 1
+    flush({"plan.exhausted": "1"} if exhausted else {})
+    if exhausted:
+        log.warning("the source ends at index %d, before first + limit = %d: the plan holds what "
+                    "the source has", through, end)
+    log.info("plan done: %d conversations read, %d samples, %d skipped, %.1f s",
+             read, planned, skipped, time.monotonic() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m eagle3d.capture.planner",
+                                     description="Tokenize the configured conversations into "
+                                                 "the ledger (the daemon's plan child).")
+    parser.add_argument("-c", "--config", required=True, help="the eagle3d TOML config")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s planner %(levelname)s %(message)s")
+    try:
+        cfg = load_config(args.config)
+        tokenizer = target.load_tokenizer(cfg.target.model_path)
+        model_config = target.load_config(cfg.target.model_path)
+        wanted = build_contract(cfg, tokenizer, model_config)
+        ensure_contract(cfg.paths.dataset_dir, wanted)
+    except ConfigError as exc:
+        print(f"planner: {exc}", file=sys.stderr)
+        return 2
+    except ContractMismatch as exc:
+        print(f"planner: {exc}", file=sys.stderr)
+        return 3
+    except OSError as exc:
+        print(f"planner: cannot read the target: {exc}", file=sys.stderr)
+        return 2
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite") as ledger:
+        try:
+            plan(cfg, ledger, tokenizer, wanted["hidden_size"])
+        except (OSError, ValueError) as exc:
+            print(f"planner: cannot read the source {cfg.data.source_path}: {exc}",
+                  file=sys.stderr)
+            return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

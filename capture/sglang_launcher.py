@@ -1,0 +1,149 @@
+"""How the daemon starts the SGLang server that captures: the command line with the flags that
+make capture correct, the environment that tells the capture plugin where to write, and the
+check that the SGLang installed in the chosen interpreter is one the plugin was written for.
+
+Light on purpose (stdlib and the config only): the daemon imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+from typing import Any
+
+from eagle3d.capture.sglang_plugin import (ENTRY_POINT_GROUP, PLUGIN_NAME, CaptureSettings)
+from eagle3d.statemachine.config import Config
+
+# The versions whose source the plugin was checked against: the `sglang.srt.plugins` hook
+# registry exists from 0.5.11, DeepSeek's current layer-id rule from 0.5.13, and the per-phase
+# `--cuda-graph-backend-{prefill,decode}` flags from 0.5.14. Read: 0.5.14 and 0.5.23. Internals
+# the plugin hooks change between patch releases, so the top is the newest one read.
+MIN_VERSION = (0, 5, 14)
+MAX_VERSION = (0, 5, 23)
+SUPPORTED = "sglang>=0.5.14,<0.5.24"
+LEDGER_FILE = "ledger.sqlite"
+
+# Flags eagle3d sets for capture to be correct; an operator's extra_args must not undo them.
+# - no radix cache: a request whose prefix is cached is prefilled only past the prefix;
+# - no chunked prefill: a chunk is a part of a prompt, and chunks mix with decode (MIXED);
+# - no CUDA graphs: a graph replays kernels and bypasses the Python hook on the prefill path,
+#   and the decode graphs would be captured for nothing (no request decodes a token);
+# - no warm-up: its request is not a sample (the plugin would ignore it anyway).
+CAPTURE_FLAGS = ["--disable-radix-cache", "--chunked-prefill-size", "-1",
+                 "--cuda-graph-backend-prefill", "disabled",
+                 "--cuda-graph-backend-decode", "disabled", "--skip-server-warmup"]
+# What extra_args may not name: capture-critical settings, those taken from the config, and
+# layouts in which one request's rows are not whole on tensor-parallel rank 0.
+RESERVED = ("--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--tp", "--dtype",
+            "--host", "--port", "--mem-fraction-static", "--max-prefill-tokens",
+            "--disable-radix-cache", "--chunked-prefill-size", "--cuda-graph-backend-prefill",
+            "--cuda-graph-backend-decode", "--disable-cuda-graph", "--enable-piecewise-cuda-graph",
+            "--enforce-piecewise-cuda-graph", "--enable-mixed-chunk", "--enable-dp-attention",
+            "--attn-dp-size", "--pp-size", "--pipeline-parallel-size",
+            "--enable-two-batch-overlap", "--skip-server-warmup")
+
+
+def _reserved_flag(arg: str) -> str | None:
+    name = arg.split("=", 1)[0]
+    if name in RESERVED or name.startswith("--speculative-"):
+        return name
+    return None
+
+
+def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """The server's argv and the environment to add to the daemon's for it."""
+    for arg in cfg.sglang.extra_args:
+        flag = _reserved_flag(arg)
+        if flag:
+            raise ValueError(f"{cfg.path}: [sglang.extra_args] {flag} is set by eagle3d for "
+                             "capture to be correct; remove it")
+    argv = [cfg.sglang.python, "-m", "sglang.launch_server",
+            "--model-path", str(cfg.target.model_path),
+            "--tp-size", str(cfg.sglang.tp),
+            "--dtype", cfg.target.dtype,
+            "--host", cfg.sglang.host, "--port", str(cfg.sglang.port),
+            "--mem-fraction-static", str(cfg.sglang.mem_fraction),
+            # One forward batch is copied to host memory whole: bound it like the other engine
+            # does, but never below the longest sample, which must fit in one prefill.
+            "--max-prefill-tokens", str(max(cfg.extract.batch_tokens, cfg.data.max_tokens)),
+            *CAPTURE_FLAGS, *cfg.sglang.extra_args]
+    settings = CaptureSettings(spool=cfg.paths.spool_dir, contract=contract["fingerprint"],
+                               layer_ids=tuple(contract["layer_ids"]),
+                               ledger=cfg.paths.state_dir / LEDGER_FILE)
+    env = settings.to_env()
+    allowed = os.environ.get("SGLANG_PLUGINS", "")
+    if allowed.strip():
+        # SGLang loads only the plugins this names when it is set.
+        env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
+    env["PYTHONUNBUFFERED"] = "1"
+    return argv, env
+
+
+def shell_line(argv: list[str], env: dict[str, str]) -> str:
+    """The command as an operator would type it (for `eagle3ctl engine-command`)."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+                     *map(shlex.quote, argv)])
+
+
+def _release(version: str) -> tuple[int, ...]:
+    parts = []
+    for part in version.split("."):
+        digits = ""
+        for ch in part:
+            if not ch.isdigit():
+                break
+            digits += ch
+        if not digits:
+            break
+        parts.append(int(digits))
+        if digits != part:
+            break  # "23rc1": a pre-release of 23 still has the release number 23
+    return tuple(parts)
+
+
+def version_problem(version: str | None, plugin_found: bool, python: str) -> str | None:
+    if version is None:
+        return (f"SGLang is not installed for {python}; install it there with "
+                f"pip install '{SUPPORTED}' (or set [sglang] python to an interpreter that has it)")
+    release = _release(version)[:3]
+    if not MIN_VERSION <= release <= MAX_VERSION:
+        return (f"SGLang {version} is installed for {python}, but eagle3d's capture plugin "
+                f"supports {SUPPORTED} only (it hooks SGLang internals that change between "
+                f"releases); install one with pip install '{SUPPORTED}'")
+    if not plugin_found:
+        return (f"eagle3d is not installed for {python}: SGLang would start without the capture "
+                f"plugin (entry point {PLUGIN_NAME} in group {ENTRY_POINT_GROUP}); install "
+                "eagle3d into that environment (pip install 'eagle3d[sglang]')")
+    return None
+
+
+_PROBE = """
+import json
+from importlib import metadata
+try:
+    version = metadata.version("sglang")
+except metadata.PackageNotFoundError:
+    version = None
+names = [ep.name for ep in metadata.entry_points(group=%r)]
+print(json.dumps({"version": version, "plugin": %r in names}))
+""" % (ENTRY_POINT_GROUP, PLUGIN_NAME)
+
+
+def check_version(python: str) -> str | None:
+    """A problem message when the SGLang of that interpreter is missing, outside the supported
+    range, or would not load the capture plugin; else None. Reads package metadata only:
+    importing SGLang takes long."""
+    try:
+        # From "/": what is installed, not what happens to lie in the daemon's folder.
+        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
+                              timeout=60, cwd="/")
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"cannot run the SGLang interpreter {python!r}: {exc}"
+    try:
+        found = json.loads(done.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return (f"cannot ask {python!r} which SGLang it has (exit {done.returncode}): "
+                f"{done.stderr.strip()[-500:]}")
+    return version_problem(found["version"], found["plugin"], python)

@@ -1,0 +1,89 @@
+"""Running the real daemon in tests: a process, its status, its end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from tests.conftest import venv_bin
+
+
+def status(config: Path) -> dict[str, Any]:
+    out = subprocess.run([venv_bin("eagle3ctl"), "-c", str(config), "status", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    return json.loads(out.stdout)
+
+
+def ctl(config: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([venv_bin("eagle3ctl"), "-c", str(config), *args], capture_output=True,
+                          text=True, timeout=120)
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.5) -> Any:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+class DaemonProcess:
+    """`eagle3d run` as a child of the test, its log kept in a file for the assertion messages."""
+
+    def __init__(self, config: Path, *args: str, env: dict[str, str] | None = None) -> None:
+        self.config = config
+        self.log_path = config.parent / f"daemon-{time.time_ns()}.log"
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen([venv_bin("eagle3d"), "run", "-c", str(config), *args],
+                                     stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+
+    def output(self) -> str:
+        return self.log_path.read_text()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"daemon still running after {timeout} s:\n{self.output()[-4000:]}")
+
+    def status_until(self, predicate: Callable[[dict], bool], timeout: float, what: str) -> dict:
+        def check() -> dict | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited ({self.proc.returncode}) while waiting for "
+                                     f"{what}:\n{self.output()[-4000:]}")
+            st = status(self.config)
+            return st if predicate(st) else None
+        return wait_for(check, timeout, what)
+
+    def stop(self, timeout: float = 120) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.wait(timeout)
+        self.log.close()
+        return code
+
+    def __enter__(self) -> "DaemonProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def run_until(config: Path, until: str, timeout: float = 600) -> str:
+    """Run the daemon to a stage; returns its output, raising with it on failure."""
+    with DaemonProcess(config, "--until", until) as d:
+        code = d.wait(timeout)
+        out = d.output()
+    assert code == 0, out[-6000:]
+    return out

@@ -1,0 +1,110 @@
+"""The daemon as systemd runs it: sd_notify over a real datagram socket, SIGTERM, SIGHUP reloads,
+and a kill -9 that leaves no orphan behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+import uuid
+
+import psutil
+import pytest
+import tomli_w
+
+from tests.conftest import write_conversations
+from tests.pipeline import DaemonProcess, status, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def messages_config(config_factory, tmp_path, n: int, **sections):
+    source = write_conversations(tmp_path / "conv.jsonl", 60)
+    merged = {"data": {"source": str(source), "format": "messages", "limit": n},
+              "verify": {"spot_checks": 0}}
+    for k, v in sections.items():
+        merged.setdefault(k, {}).update(v)
+    return config_factory(merged)
+
+
+def test_sd_notify_ready_status_watchdog_and_stopping(config_factory, tmp_path):
+    config = messages_config(config_factory, tmp_path, 20)
+    sock_path = f"/tmp/eagle3d-notify-{uuid.uuid4().hex[:8]}.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(0.5)
+    got: list[str] = []
+
+    def drain() -> None:
+        try:
+            while True:
+                got.extend(sock.recv(65536).decode().splitlines())
+        except (socket.timeout, BlockingIOError):
+            pass
+
+    try:
+        with DaemonProcess(config, env={"NOTIFY_SOCKET": sock_path,
+                                        "WATCHDOG_USEC": "2000000"}) as d:
+            wait_for(lambda: drain() or "READY=1" in got, 60, "READY=1")
+            wait_for(lambda: drain() or sum(m == "WATCHDOG=1" for m in got) >= 2, 60,
+                     "watchdog pings")
+            wait_for(lambda: drain() or any(m.startswith("STATUS=extract") for m in got), 300,
+                     "a STATUS line with the stage")
+            st = d.status_until(lambda s: s["samples"]["inflight"] > 0 or
+                                s["samples"]["verified"] > 0, 300, "work in flight")
+            engine_pid = st["engine"].get("pid")
+            started = time.time()
+            assert d.stop(timeout=180) == 0, d.output()[-3000:]
+            assert time.time() - started < 180  # the unit's TimeoutStopSec
+            drain()
+        assert "STOPPING=1" in got
+        st = status(config)
+        assert st["samples"]["inflight"] == 0
+        assert sum(st["samples"][k] for k in ("pending", "extracted", "verified", "failed")) == 20
+        if engine_pid:
+            assert not psutil.pid_exists(engine_pid)
+    finally:
+        sock.close()
+        os.unlink(sock_path)
+
+
+def rewrite(config, section: str, **values) -> None:
+    import tomllib
+    doc = tomllib.loads(config.read_text())
+    doc[section].update(values)
+    config.write_text(tomli_w.dumps(doc))
+
+
+def test_sighup_adds_samples_and_refuses_a_contract_change(config_factory, tmp_path):
+    config = messages_config(config_factory, tmp_path, 8)
+    with DaemonProcess(config, "--until", "train") as d:
+        d.status_until(lambda s: s["samples"]["total"] == 8 and s["stage"] == "extract", 300,
+                       "the first plan")
+        rewrite(config, "target", dtype="float32")
+        d.proc.send_signal(signal.SIGHUP)
+        st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refusal")
+        assert "dtype" in st["config_problem"] and "contract" in st["config_problem"]
+        rewrite(config, "target", dtype="bfloat16")
+        rewrite(config, "data", limit=14)
+        d.proc.send_signal(signal.SIGHUP)
+        assert d.wait(600) == 0, d.output()[-4000:]
+    st = status(config)
+    assert st["samples"]["total"] == 14 and st["samples"]["verified"] == 14
+    assert "reload refused" in d.output() and "config reloaded" in d.output()
+
+
+def test_kill_9_of_the_daemon_leaves_no_orphan_after_restart(config_factory, tmp_path):
+    config = messages_config(config_factory, tmp_path, 20)
+    with DaemonProcess(config) as d:
+        st = d.status_until(lambda s: s["engine"].get("pid"), 300, "the engine")
+        engine_pid = st["engine"]["pid"]
+        d.proc.kill()
+        d.proc.wait()
+    time.sleep(0.5)
+    # PR_SET_PDEATHSIG ends the engine with its parent; the restarted daemon checks anyway.
+    with DaemonProcess(config, "--until", "train") as d2:
+        assert d2.wait(600) == 0, d2.output()[-4000:]
+    assert not psutil.pid_exists(engine_pid) or psutil.Process(engine_pid).status() == "zombie"
+    st = status(config)
+    assert st["samples"]["verified"] == 20 and st["samples"]["inflight"] == 0
