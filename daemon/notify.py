@@ -115,7 +115,10 @@ class Notifier:
             if self._sock is None:
                 # Python sockets are not inherited across exec, so children never hold it.
                 self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-            self._sock.sendto(message.encode("utf-8", "replace"), self._address)
+            # Never block: a listener that stops reading must not stall the reconcile loop (the
+            # watchdog would then kill a healthy daemon). A dropped STATUS line is harmless.
+            self._sock.sendto(message.encode("utf-8", "replace"), socket.MSG_DONTWAIT,
+                              self._address)
         except OSError as exc:
             level = logging.DEBUG if self._failed_before else logging.WARNING
             log.log(level, "sd_notify to %r failed: %s (further failures are logged at debug "

@@ -61,7 +61,11 @@ class DaemonProcess:
                                      f"{what}:\n{self.output()[-4000:]}")
             st = status(self.config)
             return st if predicate(st) else None
-        return wait_for(check, timeout, what)
+        try:
+            return wait_for(check, timeout, what)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; status {status(self.config)}; daemon log:\n"
+                                 f"{self.output()[-4000:]}") from None
 
     def stop(self, timeout: float = 120) -> int:
         if self.proc.poll() is None:

@@ -123,3 +123,17 @@ def test_an_unsupported_socket_kind_is_reported_not_raised(monkeypatch, caplog):
 def test_watchdog_interval_is_half_of_watchdog_usec_for_this_process(env, expected):
     env = {k: (str(os.getpid()) if v == "OWN" else v) for k, v in env.items()}
     assert watchdog_interval(env) == expected
+
+
+def test_a_listener_that_stops_reading_never_blocks_the_daemon(tmp_path):
+    path = str(tmp_path / "n.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(path)
+    try:
+        notifier = Notifier(path)
+        started = time.monotonic()
+        for _ in range(5000):  # far more than a datagram queue holds
+            notifier.status("extract: 1/2 samples")
+        assert time.monotonic() - started < 5
+    finally:
+        listener.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 
@@ -33,23 +34,26 @@ def test_sd_notify_ready_status_watchdog_and_stopping(config_factory, tmp_path):
     sock_path = f"/tmp/eagle3d-notify-{uuid.uuid4().hex[:8]}.sock"
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     sock.bind(sock_path)
-    sock.settimeout(0.5)
+    sock.settimeout(0.2)
     got: list[str] = []
+    listening = True
 
-    def drain() -> None:
-        try:
-            while True:
+    def listen() -> None:  # as systemd does: always reading
+        while listening:
+            try:
                 got.extend(sock.recv(65536).decode().splitlines())
-        except (socket.timeout, BlockingIOError):
-            pass
+            except (socket.timeout, BlockingIOError):
+                pass
+
+    reader = threading.Thread(target=listen, daemon=True)
+    reader.start()
 
     try:
         with DaemonProcess(config, env={"NOTIFY_SOCKET": sock_path,
                                         "WATCHDOG_USEC": "2000000"}) as d:
-            wait_for(lambda: drain() or "READY=1" in got, 60, "READY=1")
-            wait_for(lambda: drain() or sum(m == "WATCHDOG=1" for m in got) >= 2, 60,
-                     "watchdog pings")
-            wait_for(lambda: drain() or any(m.startswith("STATUS=extract") for m in got), 300,
+            wait_for(lambda: "READY=1" in got, 60, "READY=1")
+            wait_for(lambda: sum(m == "WATCHDOG=1" for m in got) >= 2, 60, "watchdog pings")
+            wait_for(lambda: any(m.startswith("STATUS=extract") for m in got), 300,
                      "a STATUS line with the stage")
             st = d.status_until(lambda s: s["samples"]["inflight"] > 0 or
                                 s["samples"]["verified"] > 0, 300, "work in flight")
@@ -57,14 +61,15 @@ def test_sd_notify_ready_status_watchdog_and_stopping(config_factory, tmp_path):
             started = time.time()
             assert d.stop(timeout=180) == 0, d.output()[-3000:]
             assert time.time() - started < 180  # the unit's TimeoutStopSec
-            drain()
-        assert "STOPPING=1" in got
+        wait_for(lambda: "STOPPING=1" in got, 5, "STOPPING=1")
         st = status(config)
         assert st["samples"]["inflight"] == 0
         assert sum(st["samples"][k] for k in ("pending", "extracted", "verified", "failed")) == 20
         if engine_pid:
             assert not psutil.pid_exists(engine_pid)
     finally:
+        listening = False
+        reader.join()
         sock.close()
         os.unlink(sock_path)
 

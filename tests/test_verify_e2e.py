@@ -1,0 +1,115 @@
+"""Verify and the training gate with the real daemon: every kind of damage to the dataset is
+caught, named, re-extracted, and the run reaches train; a sample that keeps failing blocks the
+gate until an operator excludes it with a reason."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+
+import pytest
+import tomli_w
+
+from eagle3d.capture.dumpformat import read_header
+from eagle3d.statemachine import manifest
+from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
+from tests.conftest import write_conversations
+from tests.pipeline import DaemonProcess, ctl, run_until, status
+
+pytestmark = pytest.mark.slow
+
+
+def corrupt(path, how: str, other=None) -> None:
+    if how == "delete":
+        path.unlink()
+    elif how == "flip":
+        with open(path, "r+b") as f:
+            f.seek(path.stat().st_size - 100)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+    elif how == "truncate":
+        os.truncate(path, path.stat().st_size // 2)
+    elif how == "swap":
+        tmp = path.with_name("swap.tmp")
+        os.rename(path, tmp)
+        os.rename(other, path)
+        os.rename(tmp, other)
+    elif how == "nan":
+        info = read_header(path).tensors["aux_hidden_states"]
+        with open(path, "r+b") as f:
+            f.seek(info.begin + 2 * 7)
+            f.write(struct.pack("<H", 0x7FC0))  # a bf16 NaN
+    elif how == "contract":
+        data = path.read_bytes()
+        (n,) = struct.unpack("<Q", data[:8])
+        header = data[8:8 + n].decode()
+        start = header.index('"contract":"') + len('"contract":"')
+        forged = header[:start] + "0" * 32 + header[start + 32:]
+        path.write_bytes(data[:8] + forged.encode() + data[8 + n:])
+
+
+def set_key(config, section, **values):
+    import tomllib
+    doc = tomllib.loads(config.read_text())
+    doc.setdefault(section, {}).update(values)
+    config.write_text(tomli_w.dumps(doc))
+
+
+def test_damage_is_caught_reextracted_and_a_stubborn_sample_blocks_the_gate(config_factory,
+                                                                              tmp_path):
+    source = write_conversations(tmp_path / "conv.jsonl", 10)
+    config = config_factory({"data": {"source": str(source), "format": "messages", "limit": 10},
+                             "verify": {"spot_checks": 0}})
+    run_until(config, "train")
+    cfg = load_config(config)
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        rows = ledger.samples("verified")
+    paths = [cfg.paths.dataset_dir / r.path for r in rows]
+    damage = {"delete": 0, "flip": 1, "truncate": 2, "swap": 3, "nan": 5, "contract": 6}
+    for how, i in damage.items():
+        corrupt(paths[i], how, other=paths[4] if how == "swap" else None)
+    damaged = {rows[i].id for i in damage.values()} | {rows[4].id}
+
+    with DaemonProcess(config, "--until", "train") as d:
+        d.status_until(lambda s: s["daemon"]["alive"], 120, "the daemon")
+        assert ctl(config, "verify", "--full").returncode == 0
+        assert d.wait(600) == 0, d.output()[-4000:]
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        failures = {sample: detail for _, kind, sample, detail in ledger.recent_events(500)
+                    if kind == "attempt_failed"}
+        assert set(failures) == damaged, failures
+        reasons = " | ".join(failures.values())
+        for word in ("missing", "checksum", "NaN", "sample id in file"):
+            assert word in reasons, reasons
+        assert all(ledger.sample(s).attempts == 2 for s in damaged)
+        manifest.check(manifest.read(cfg.paths.dataset_dir), ledger)
+    st = status(config)
+    assert st["samples"]["verified"] == 10 and st["samples"]["failed"] == 0
+
+    # One sample that keeps failing (no attempts left) blocks the gate: no training until an
+    # operator excludes it with a written reason.
+    set_key(config, "extract", max_attempts=1)
+    corrupt(paths[8], "flip")
+    stubborn = rows[8].id
+    with DaemonProcess(config, "--until", "train") as d:
+        d.status_until(lambda s: s["daemon"]["alive"], 120, "the daemon")
+        assert ctl(config, "verify", "--full").returncode == 0
+        st = d.status_until(lambda s: s["samples"]["failed"] == 1 and
+                            s["samples"]["extracted"] == 0 and s["samples"]["verified"] == 9,
+                            300, "the failed sample")
+        assert st["stage"] == "verify" and "gate" in st["reason"]
+        assert st["blocking"][0]["id"] == stubborn and "checksum" in st["blocking"][0]["error"]
+        assert "1 failed" in ctl(config, "status").stdout
+        time.sleep(3)
+        assert d.proc.poll() is None and status(config)["stage"] == "verify"
+        assert stubborn in ctl(config, "samples", "--status", "failed").stdout
+        refused = ctl(config, "exclude", stubborn, "--reason", " ")
+        assert refused.returncode != 0
+        assert ctl(config, "exclude", stubborn, "--reason", "corrupt source record").returncode == 0
+        assert d.wait(300) == 0, d.output()[-4000:]
+    st = status(config)
+    assert st["samples"]["excluded"] == 1 and st["samples"]["verified"] == 9
+    assert len(manifest.read(cfg.paths.dataset_dir)["samples"]) == 9
