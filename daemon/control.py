@@ -30,12 +30,18 @@ def folder(state_dir: Path) -> Path:
     return Path(state_dir) / FOLDER
 
 
-def send(state_dir: Path, verb: str, args: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-    """Write a request and wait for its acknowledgement; None when none came in time."""
-    ctl = folder(state_dir)
+def submit(state_dir: Path, verb: str, args: dict[str, Any]) -> str:
+    """Drop a request for the daemon; returns its name, for `wait_ack`."""
     name = f"{time.time_ns()}-{os.urandom(4).hex()}"
-    atomic_write_bytes(ctl / f"{name}.request.json",
+    atomic_write_bytes(folder(state_dir) / f"{name}.request.json",
                        json.dumps({"verb": verb, "args": args, "pid": os.getpid()}).encode(), 0o600)
+    return name
+
+
+def wait_ack(state_dir: Path, name: str, timeout: float) -> dict[str, Any] | None:
+    """The daemon's acknowledgement of a request; None (and the request withdrawn, so that a
+    daemon starting later does not act on a request nobody waits for) when none came in time."""
+    ctl = folder(state_dir)
     ack = ctl / f"{name}.ack.json"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -48,9 +54,12 @@ def send(state_dir: Path, verb: str, args: dict[str, Any], timeout: float) -> di
             ack.unlink(missing_ok=True)
             return reply
         time.sleep(0.05)
-    # Withdraw it: a daemon that starts later must not act on a request nobody waits for.
     (ctl / f"{name}.request.json").unlink(missing_ok=True)
     return None
+
+
+def send(state_dir: Path, verb: str, args: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    return wait_ack(state_dir, submit(state_dir, verb, args), timeout)
 
 
 def pending(state_dir: Path) -> list[Request | tuple[str, str]]:

@@ -104,19 +104,25 @@ class Daemon:
         try:
             while not self.stopping:
                 self.tick()
-                if self.until and self.decision:
+                if self.until_met():
                     if self.decision.stage == Stage.FAILED:
                         log.error("pipeline failed: %s", self.decision.reason)
                         code = 1
-                        break
-                    if stages.reached(self.decision.underlying, self.until) and \
-                            self.decision.stage != Stage.PAUSED:
+                    else:
                         log.info("reached stage %s", self.until)
-                        break
+                    break
                 time.sleep(TICK)
         finally:
             self.shutdown()
         return code
+
+    def until_met(self) -> bool:
+        """`--until`: the stage is reached (not merely paused on the way), or the run failed."""
+        d = self.decision
+        if not self.until or d is None:
+            return False
+        return d.stage == Stage.FAILED or (d.stage != Stage.PAUSED and
+                                           stages.reached(d.underlying, self.until))
 
     def _on_stop(self, signum: int, frame: Any) -> None:
         self.stopping = True
@@ -187,7 +193,8 @@ class Daemon:
             self.ledger.event("stage", f"{decision.stage.value}: {decision.reason}")
             self._last_state = 0.0
         self.decision = decision
-        self.act(decision)
+        if not self.until_met():  # `--until train` must not start the trainer it will not wait for
+            self.act(decision)
         self._publish()
 
     def observe(self) -> Facts:

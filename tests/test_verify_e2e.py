@@ -12,6 +12,7 @@ import pytest
 import tomli_w
 
 from eagle3d.capture.dumpformat import read_header
+from eagle3d.daemon import control
 from eagle3d.statemachine import manifest
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
@@ -73,9 +74,9 @@ def test_damage_is_caught_reextracted_and_a_stubborn_sample_blocks_the_gate(conf
         corrupt(paths[i], how, other=paths[4] if how == "swap" else None)
     damaged = {rows[i].id for i in damage.values()} | {rows[4].id}
 
+    # Asked before the daemon starts: with everything verified it would reach train at once.
+    control.submit(cfg.paths.state_dir, "verify-full", {})
     with DaemonProcess(config, "--until", "train") as d:
-        d.status_until(lambda s: s["daemon"]["alive"], 120, "the daemon")
-        assert ctl(config, "verify", "--full").returncode == 0
         assert d.wait(600) == 0, d.output()[-4000:]
     with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
         failures = {sample: detail for _, kind, sample, detail in ledger.recent_events(500)
@@ -94,12 +95,11 @@ def test_damage_is_caught_reextracted_and_a_stubborn_sample_blocks_the_gate(conf
     set_key(config, "extract", max_attempts=1)
     corrupt(paths[8], "flip")
     stubborn = rows[8].id
+    control.submit(cfg.paths.state_dir, "verify-full", {})
     with DaemonProcess(config, "--until", "train") as d:
-        d.status_until(lambda s: s["daemon"]["alive"], 120, "the daemon")
-        assert ctl(config, "verify", "--full").returncode == 0
         st = d.status_until(lambda s: s["samples"]["failed"] == 1 and
-                            s["samples"]["extracted"] == 0 and s["samples"]["verified"] == 9,
-                            300, "the failed sample")
+                            s["samples"]["extracted"] == 0 and s["samples"]["verified"] == 9
+                            and "gate" in s["reason"], 300, "the failed sample")
         assert st["stage"] == "verify" and "gate" in st["reason"]
         assert st["blocking"][0]["id"] == stubborn and "checksum" in st["blocking"][0]["error"]
         assert "1 failed" in ctl(config, "status").stdout
