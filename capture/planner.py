@@ -33,6 +33,7 @@ from eagle3d.capture import contract, dumpformat, target
 from eagle3d.capture.conversations import Conversation, iter_conversations
 from eagle3d.statemachine.config import Config, ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.logs import setup_logging
 
 log = logging.getLogger("eagle3d.planner")
 
@@ -309,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "the ledger (the daemon's plan child).")
     parser.add_argument("-c", "--config", required=True, help="the eagle3d TOML config")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s planner %(levelname)s %(message)s")
+    setup_logging("planner")
     try:
         cfg = load_config(args.config)
         tokenizer = target.load_tokenizer(cfg.target.model_path)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -53,6 +54,7 @@ from torch import nn
 
 from eagle3d.capture import contract, dumpformat, target
 from eagle3d.capture.hooks import LayerTap, decoder_of
+from eagle3d.statemachine.logs import setup_logging
 
 
 @dataclass(frozen=True)
@@ -354,7 +356,7 @@ class Worker:
 
 
 def _fail(message: str) -> int:
-    print(f"worker: {message}", file=sys.stderr)
+    logging.getLogger("eagle3d.engine").error("%s", message)
     return 2
 
 
@@ -368,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
+    setup_logging("engine")
 
     from eagle3d.statemachine.config import ConfigError, load_config
     try:

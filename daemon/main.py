@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
+from eagle3d.statemachine.logs import setup_logging
 from eagle3d.statemachine.stages import ORDER
 
 DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
-
-
-def setup_logging() -> None:
-    """One line per event. Under journald (JOURNAL_STREAM) the journal adds the time and takes
-    the priority from a <N> prefix; in a terminal the line carries its own time."""
-    if os.environ.get("JOURNAL_STREAM"):
-        levels = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
-
-        class Journal(logging.Formatter):
-            def format(self, record: logging.LogRecord) -> str:
-                return f"<{levels.get(record.levelname, 6)}>{super().format(record)}"
-        handler = logging.StreamHandler()
-        handler.setFormatter(Journal("%(message)s"))
-        logging.basicConfig(level=logging.INFO, handlers=[handler])
-    else:
-        logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                            format="%(asctime)s %(levelname)-7s %(message)s", datefmt="%H:%M:%S")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--until", choices=ORDER,
                      help="exit 0 once this stage is reached, non-zero if the pipeline fails")
     args = parser.parse_args(argv)
-    setup_logging()
+    setup_logging("daemon")
     from eagle3d.daemon.reconcile import run as run_daemon
     code = run_daemon(args.config, args.until)
     if args.until and code == 0:
