@@ -19,6 +19,7 @@ from pathlib import Path
 from eagle3d.capture import dumpformat
 from eagle3d.capture.dumpformat import DumpError
 from eagle3d.daemon import checksum
+from eagle3d.daemon.verify import Expected, scan
 from eagle3d.statemachine.atomic import fsync_dir
 from eagle3d.statemachine.ledger import Ledger
 
@@ -80,58 +81,35 @@ class Ingestor:
             return self._duplicate(path, sample.checksum)
         if sample.status == "excluded":
             return self._reject(path, None, f"sample {sid} is excluded")
-        problem = self._mismatch(header, sample.tokens)
-        if problem:
-            return self._reject(path, sid, problem)
         dst, rel = shard_path(self.dataset_dir, sample.idx, sid)
+        c = self.contract
+        expected = Expected(id=sid, path=str(path), tokens=sample.tokens,
+                            loss_tokens=sample.loss_tokens, ids_hash=sample.ids_hash, checksum="",
+                            contract_fingerprint=c["fingerprint"], hidden_size=c["hidden_size"],
+                            dtype=c["dtype"])
         try:
-            digest, nbytes, ids = self._copy(path, dst, header)
+            digest, nbytes = self._copy(path, dst, expected)
         except DumpError as exc:
             return self._reject(path, sid, str(exc))
-        if dumpformat.ids_hash(ids) != sample.ids_hash:
-            dst.unlink(missing_ok=True)
-            return self._reject(path, sid, "input_ids differ from the planned token ids")
         if not self.ledger.mark_extracted(sid, rel, nbytes, digest):
             dst.unlink(missing_ok=True)
             return self._reject(path, None, f"sample {sid} changed state during ingest")
         path.unlink(missing_ok=True)
         return Outcome("ingested", sid, rel, header.tokens, nbytes)
 
-    def _mismatch(self, header: dumpformat.DumpHeader, planned_tokens: int) -> str | None:
-        c = self.contract
-        if header.tokens != planned_tokens:
-            return (f"{header.tokens} tokens, the plan has {planned_tokens} (a decode step or a "
-                    "truncated prefill)")
-        if header.hidden_size != c["hidden_size"]:
-            return f"hidden size {header.hidden_size}, the contract says {c['hidden_size']}"
-        if header.dtype != dumpformat.DTYPE_NAMES[c["dtype"]]:
-            return f"dtype {header.dtype}, the contract says {c['dtype']}"
-        if header.contract != c["fingerprint"]:
-            return f"capture contract {header.contract!r} is not the dataset's {c['fingerprint']}"
-        return None
-
-    def _copy(self, src: Path, dst: Path, header: dumpformat.DumpHeader) -> tuple[str, int, bytes]:
-        """Copy with checksum; returns (checksum, bytes, input_ids bytes)."""
+    def _copy(self, src: Path, dst: Path, expected: Expected) -> tuple[str, int]:
+        """Copy and check in one pass (the same checks verify makes: header against the plan and
+        the contract, planned ids, loss mask, finite values); returns (checksum, bytes)."""
         dst.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
         tmp = dst.with_name(f".{dst.name}.tmp")
-        ids_info = header.tensors["input_ids"]
-        h = checksum.hasher()
         fd_in = os.open(src, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             st = os.fstat(fd_in)
-            ids = os.pread(fd_in, ids_info.end - ids_info.begin, ids_info.begin)
             fd_out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
             try:
-                buf = bytearray(checksum.CHUNK)
-                view = memoryview(buf)
-                total = 0
-                while n := os.readv(fd_in, [buf]):
-                    h.update(view[:n])
-                    chunk = view[:n]
-                    while chunk:
-                        chunk = chunk[os.write(fd_out, chunk):]
-                    total += n
-                os.fsync(fd_out)
+                problem, digest = scan(fd_in, st.st_size, expected, sink=fd_out)
+                if problem is None:
+                    os.fsync(fd_out)
             finally:
                 os.close(fd_out)
             after = os.fstat(fd_in)
@@ -142,13 +120,14 @@ class Ingestor:
             raise
         finally:
             os.close(fd_in)
-        if total != header.file_size or (after.st_size, after.st_mtime_ns) != (st.st_size,
-                                                                               st.st_mtime_ns):
+        if problem is None and (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
+            problem = "the file changed while it was being ingested (still being written?)"
+        if problem is not None:
             tmp.unlink(missing_ok=True)
-            raise DumpError("the file changed while it was being ingested (still being written?)")
+            raise DumpError(problem)
         os.rename(tmp, dst)
         fsync_dir(dst.parent)
-        return checksum.digest(h), total, ids
+        return digest, st.st_size
 
     def _duplicate(self, path: Path, committed: str | None) -> Outcome:
         """A dump for a sample already in the dataset: the leftover of a crash between commit

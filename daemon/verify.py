@@ -101,11 +101,19 @@ def _read_buffer() -> np.ndarray:
     return _per_thread.buffer
 
 
+def scan(fd: int, size: int, e: Expected, sink: int | None = None) -> tuple[str | None, str]:
+    """Every check in one pass over an open dump: (problem or None, its checksum). With `sink`,
+    each byte read is also written there, so ingest copies and checks in the same pass. The
+    checksum is compared only when `e.checksum` is set (verify); ingest learns it here."""
+    check = _FileCheck(fd, size, e, sink)
+    return check.run(), checksum.digest(check.sum)
+
+
 class _FileCheck:
     """One sequential pass over an open file."""
 
-    def __init__(self, fd: int, size: int, e: Expected) -> None:
-        self.fd, self.size, self.e = fd, size, e
+    def __init__(self, fd: int, size: int, e: Expected, sink: int | None = None) -> None:
+        self.fd, self.size, self.e, self.sink = fd, size, e, sink
         self.offset = 0
         self.sum = checksum.hasher()
         self.buf = _read_buffer()
@@ -122,6 +130,9 @@ class _FileCheck:
             got += k
         self.offset += n
         self.sum.update(view)
+        if self.sink is not None:
+            while view:
+                view = view[os.write(self.sink, view):]
         return self.buf[:n]
 
     def run(self) -> str | None:
@@ -133,7 +144,7 @@ class _FileCheck:
             problem = self.scan_tensors(header)
         except _Stop as exc:
             return str(exc)
-        if checksum.digest(self.sum) != self.e.checksum:
+        if self.e.checksum and checksum.digest(self.sum) != self.e.checksum:
             # The file changed after ingest checksummed it; a content problem is a symptom.
             return "checksum mismatch" + (f" ({problem})" if problem else "")
         return problem
@@ -177,7 +188,8 @@ def header_mismatch(h: DumpHeader, e: Expected) -> str | None:
     if h.hidden_size != e.hidden_size:
         return f"hidden size {h.hidden_size}, the contract says {e.hidden_size}"
     if h.tokens != e.tokens:
-        return f"file has {h.tokens} tokens, plan says {e.tokens}"
+        return (f"file has {h.tokens} tokens, plan says {e.tokens} (a decode step or a truncated "
+                "prefill?)")
     return None
 
 

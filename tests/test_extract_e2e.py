@@ -137,7 +137,8 @@ def test_full_dataset_disk_mid_copy_leaves_the_dump_in_the_spool(tmp_path, small
         tokens = 40_000  # ~6 MB of bf16 at hidden 16: larger than what is left on the disk
         ids = sample_ids(0, tokens)
         from eagle3d.capture.dumpformat import ids_hash
-        ledger.add_planned([PlannedSample("a" * 32, 0, tokens, 1, ids_hash(ids), ids, b"")], [], {})
+        ledger.add_planned([PlannedSample("a" * 32, 0, tokens, tokens, ids_hash(ids), ids, b"")],
+                           [], {})
         ledger.claim(1, 10**9)
         path = write(spool, "a" * 32, ids)
         (small_tmpfs / "fill").write_bytes(b"\0" * (20 << 20))

@@ -80,12 +80,14 @@ def test_a_good_dump_lands_once_with_its_checksum(env):
 
 
 @pytest.mark.parametrize("case,expect", [
-    ("decode step", "tokens, the plan has"),
+    ("decode step", "a decode step"),
     ("truncated", "bad dump"),
     ("header larger than file", "bad dump: header length"),
     ("invalid header json", "not valid JSON"),
     ("wrong hidden size", "hidden size"),
-    ("other contract", "capture contract"),
+    ("other contract", "is not the dataset's"),
+    ("nan", "NaN/Inf in aux_hidden_states at token 3"),
+    ("wrong dtype", "dtype F32, the contract says bfloat16"),
     ("ids differ", "input_ids differ"),
     ("empty", "bad dump: file too short"),
 ])
@@ -108,6 +110,16 @@ def test_bad_dumps_are_rejected_and_retried(env, case, expect):
         write(spool, s.id, s.input_ids, contract="d" * 32)
     elif case == "ids differ":
         write(spool, s.id, sample_ids(99, s.tokens))
+    elif case == "nan":
+        values = np.zeros((s.tokens, 3 * H), np.float32)
+        values[3, 5] = np.nan
+        write(spool, s.id, s.input_ids, values=values)
+    elif case == "wrong dtype":
+        t = s.tokens
+        dumpformat.write_dump(spool, s.id, CONTRACT["fingerprint"], {
+            "input_ids": ("I32", (t,), s.input_ids), "loss_mask": ("U8", (t,), b"\1" * t),
+            "aux_hidden_states": ("F32", (t, 3 * H), np.zeros((t, 3 * H), np.float32).tobytes()),
+            "last_hidden_state": ("F32", (t, H), np.zeros((t, H), np.float32).tobytes())})
     elif case == "empty":
         (spool / name).write_bytes(b"")
     out = ing.ingest(name)

@@ -185,7 +185,7 @@ def test_header_facts_against_plan_and_contract(tmp_path: Path) -> None:
     e = make_dump(tmp_path, dtype="F16")
     assert check_file(replace(e, dtype="bfloat16"))[0] == "dtype F16, the contract says bfloat16"
     assert check_file(replace(e, hidden_size=32))[0] == "hidden size 16, the contract says 32"
-    assert check_file(replace(e, tokens=30))[0] == "file has 24 tokens, plan says 30"
+    assert check_file(replace(e, tokens=30))[0].startswith("file has 24 tokens, plan says 30")
 
 
 def test_not_a_regular_file(tmp_path: Path) -> None:
