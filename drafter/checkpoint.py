@@ -1,0 +1,60 @@
+"""Training checkpoints: `checkpoints/step-NNNNNNNN/state.pt`, written into a temp folder and
+renamed, so a kill at any moment leaves only whole checkpoints. The last KEEP are kept."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3d.statemachine.atomic import fsync_dir
+
+KEEP = 2
+_NAME = re.compile(r"step-(\d{8})")
+
+
+def save(folder: Path, step: int, state: dict[str, Any]) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step:08d}"
+    for stale in folder.glob(".step-*.tmp"):  # left by a killed run; one trainer writes here
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = folder / f".step-{step:08d}.{os.getpid()}.tmp"
+    tmp.mkdir()
+    with open(tmp / "state.pt", "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_dir(folder)
+    for old in _complete(folder)[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _complete(folder: Path) -> list[Path]:
+    found = [p for p in folder.iterdir() if _NAME.fullmatch(p.name) and (p / "state.pt").exists()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest(folder: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The newest checkpoint made from this manifest, or None. A checkpoint of another manifest
+    is not resumed: training starts over, and says so."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return None
+    for path in reversed(_complete(folder)):
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+        if state.get("manifest_fingerprint") == fingerprint:
+            return state
+        print(f"eagle3d.drafter: checkpoint {path} was made from another dataset manifest "
+              f"({state.get('manifest_fingerprint')}, now {fingerprint}); starting over",
+              file=sys.stderr)
+        return None
+    return None

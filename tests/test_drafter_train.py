@@ -1,0 +1,137 @@
+"""Training for real: torchrun with gloo on CPU, checkpoints that survive kill -9, the refusal
+of a dataset that does not match the ledger. The dataset is the real SmolLM2 fixture."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from drafter_fixtures import cached_dataset, write_config
+
+PY = sys.executable
+SMALL = {"draft_vocab": 2048, "ttt_steps": 2, "epochs": 1.0, "batch_tokens": 1024, "lr": 3e-4,
+         "warmup_steps": 2, "threads": 1}
+
+
+def train_cmd(config: Path, nproc: int = 1) -> list[str]:
+    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+            "-m", "eagle3d.drafter.train", "-c", str(config)]
+
+
+def metrics(train_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def kill_tree(proc: subprocess.Popen, sig: int, wait: bool = True) -> None:
+    """Signal torchrun and its workers (which run in their own process groups)."""
+    import psutil
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.send_signal(sig)
+    if wait:
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def data_root() -> Path:
+    return cached_dataset(32)
+
+
+@pytest.mark.slow
+def test_two_processes_with_gloo_train_and_export(tmp_path, data_root):
+    config = write_config(tmp_path, data_root, {**SMALL, "nproc": 2, "max_steps": 4,
+                                                "checkpoint_every": 2})
+    run = subprocess.run(train_cmd(config, 2), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    train = tmp_path / "train"
+    rows = metrics(train)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(len(r["acc"]) == 2 and r["tokens_per_s"] > 0 for r in rows)
+    progress = json.loads((train / "progress.json").read_text())
+    assert progress["status"] == "done" and progress["step"] == progress["total_steps"] == 4
+    assert sorted(p.name for p in (train / "export").iterdir()) == ["config.json",
+                                                                     "model.safetensors"]
+    assert (train / "metrics.png").stat().st_size > 1000
+    assert sorted(p.name for p in (train / "checkpoints").iterdir()) == ["step-00000002",
+                                                                          "step-00000004"]
+    # The export runs: speculative decoding with it, checked against plain greedy decoding.
+    ev = subprocess.run([PY, "-m", "eagle3d.drafter.evaluate", "-c", str(config), "--first",
+                         "17000", "--limit", "2", "--steps", "3", "--max-new-tokens", "12",
+                         "--json", "--out", str(train / "eval.json")],
+                        capture_output=True, text=True, timeout=600)
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    report = json.loads((train / "eval.json").read_text())
+    assert report == json.loads(ev.stdout.splitlines()[-1])
+    assert report["identical_to_greedy"] is True and report["prompts"] == 2
+    assert report["new_tokens"] > 2 and report["acceptance_length"] >= 1.0
+    assert len(report["per_position_acceptance"]) == 3
+
+
+@pytest.mark.slow
+def test_kill_9_and_resume_follows_the_uninterrupted_trajectory(tmp_path, data_root):
+    settings = {**SMALL, "max_steps": 7, "checkpoint_every": 3}
+    (tmp_path / "whole").mkdir()
+    whole = write_config(tmp_path / "whole", data_root, settings)
+    run = subprocess.run(train_cmd(whole), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    (tmp_path / "cut").mkdir()
+    cut = write_config(tmp_path / "cut", data_root, settings)
+    train = tmp_path / "cut" / "train"
+    proc = subprocess.Popen(train_cmd(cut), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:  # past the step-3 checkpoint, before the end
+        if (train / "metrics.jsonl").exists() and len(metrics(train)) >= 5:
+            break
+        time.sleep(0.2)
+    kill_tree(proc, signal.SIGKILL)
+    assert len(metrics(train)) < 7, "the run ended before it could be killed"
+    resumed = subprocess.run(train_cmd(cut), capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming at step 3" in resumed.stderr
+
+    want, got = metrics(tmp_path / "whole" / "train"), metrics(train)
+    assert [r["step"] for r in got] == list(range(1, 8))
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+        assert b["lr"] == pytest.approx(a["lr"], rel=1e-9)
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_exits_0(tmp_path, data_root):
+    config = write_config(tmp_path, data_root, {**SMALL, "max_steps": 50,
+                                                "checkpoint_every": 1000})
+    train = tmp_path / "train"
+    # The trainer itself, without torchrun: torchrun answers SIGTERM with exit code 1 whatever
+    # its workers do.
+    proc = subprocess.Popen([PY, "-m", "eagle3d.drafter.train", "-c", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if (train / "metrics.jsonl").exists() and len(metrics(train)) >= 2:
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    done = len(metrics(train))
+    assert (train / "checkpoints" / f"step-{done:08d}" / "state.pt").exists()
+    assert json.loads((train / "progress.json").read_text())["status"] == "training"
+
+
+def test_refuses_a_dataset_that_does_not_match_the_ledger(tmp_path, data_root):
+    from eagle3d.statemachine.ledger import Ledger
+    other = tmp_path / "other"
+    (other / "state").mkdir(parents=True)
+    Ledger(other / "state" / "ledger.sqlite").close()  # a ledger with no verified sample
+    (other / "dataset").symlink_to(data_root / "dataset")
+    config = write_config(tmp_path, other, SMALL)
+    run = subprocess.run([PY, "-m", "eagle3d.drafter.train", "-c", str(config)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2
+    assert "refusing to train" in run.stderr and "does not match" in run.stderr
+    assert not (tmp_path / "train" / "export").exists()
