@@ -19,33 +19,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.ledger import Ledger
 
-IDS = b"\x01\x00\x00\x00" * 8
-
-
-def planned(start: int, n: int) -> list[PlannedSample]:
-    return [PlannedSample(f"{i:032x}", i, 512, 256, "h" * 32, IDS, b"\1" * 8)
-            for i in range(start, start + n)]
-
-
-def fill(ledger: Ledger, upto: int, have: int) -> int:
-    while have < upto:
-        n = min(20_000, upto - have)
-        ledger.add_planned(planned(have, n), [], {"plan.through": str(have + n - 1)})
-        # Most of a long run is already verified: put the bulk there, as in real life.
-        with ledger.transaction() as db:
-            db.execute("UPDATE samples SET status = 'verified', path = 'x', bytes = 1, "
-                       "checksum = 'c' WHERE idx >= ? AND idx < ?", (have, have + n))
-        have += n
-    return have
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import fill_ledger, filler, write_config  # noqa: E402
 
 
 def bookkeeping(ledger: Ledger, start: int, batch: int) -> float:
     """Seconds for `batch` samples through plan, dispatch, ingest and verify bookkeeping."""
     t0 = time.perf_counter()
     for off in range(0, batch, 256):
-        ledger.add_planned(planned(start + off, min(256, batch - off)), [], {})
+        ledger.add_planned(filler(start + off, min(256, batch - off)), [], {})
     claimed = []
     while len(claimed) < batch:
         got = ledger.claim(64, 1 << 30)
@@ -76,25 +60,11 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", "/var/tmp")) as tmp:
         root = Path(tmp)
-        source = root / "c.jsonl"
-        source.write_text("")
-        config = root / "c.toml"
-        config.write_text(f"""
-[target]
-model = "{root}"
-[data]
-source = "{source}"
-format = "messages"
-[paths]
-state_dir = "{root}/state"
-spool_dir = "{root}/spool"
-dataset_dir = "{root}/dataset"
-train_dir = "{root}/train"
-""")
+        config = write_config(root)
         ledger = Ledger(root / "state" / "ledger.sqlite")
         have, next_id = 0, 10**9
         for size in sizes:
-            have = fill(ledger, size, have)
+            have = fill_ledger(ledger, size, have)
             per = []
             for _ in range(args.rounds):
                 per.append(bookkeeping(ledger, next_id, args.batch) / args.batch)

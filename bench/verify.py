@@ -10,61 +10,28 @@ a warm page cache, and prints the throughput ratio verify / cat last (goal: at l
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from eagle3d.capture import dumpformat
 from eagle3d.daemon import checksum
 from eagle3d.daemon.verify import Expected, verify_many
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import FINGERPRINT, HIDDEN, timed, write_dumps  # noqa: E402
+
 GOAL = 0.7
-HIDDEN = 4096
-CONTRACT = "0123456789abcdef0123456789abcdef"
 
 
-def write_dataset(folder: Path, total_bytes: int, max_tokens: int, seed: int = 0
-                  ) -> list[Expected]:
-    rng = np.random.default_rng(seed)
-    per_token = dumpformat.bytes_per_token(HIDDEN, "bfloat16")
-    items: list[Expected] = []
-    written = 0
-    while written < total_bytes:
-        # Log-uniform lengths: many short conversations, a few long ones.
-        tokens = int(np.exp(rng.uniform(np.log(100), np.log(max_tokens))))
-        tokens = max(1, min(tokens, (total_bytes - written) // per_token))
-        sid = hashlib.blake2b(str(len(items)).encode(), digest_size=16).hexdigest()
-        ids = rng.integers(0, 128_000, tokens, dtype=np.int32).tobytes()
-        mask = (rng.random(tokens) < 0.6).astype(np.uint8)
-        path = dumpformat.write_dump(folder, sid, CONTRACT, {
-            "input_ids": ("I32", (tokens,), ids),
-            "loss_mask": ("U8", (tokens,), mask.tobytes()),
-            "aux_hidden_states": ("BF16", (tokens, 3 * HIDDEN), finite_bf16(rng, 3 * tokens)),
-            "last_hidden_state": ("BF16", (tokens, HIDDEN), finite_bf16(rng, tokens)),
-        })
-        written += path.stat().st_size
-        items.append(Expected(sid, str(path), tokens, int(mask.sum()), dumpformat.ids_hash(ids),
-                              checksum.file_checksum(path), CONTRACT, HIDDEN, "bfloat16"))
-    return items
-
-
-def finite_bf16(rng: np.random.Generator, rows: int) -> np.ndarray:
-    """Random bf16 bits with the exponent's top bit cleared: every value finite, |x| < 2."""
-    bits = np.frombuffer(rng.bytes(rows * HIDDEN * 2), np.uint16)
-    return bits & np.uint16(0xBFFF)
-
-
-def time_cat(paths: list[str]) -> float:
-    start = time.perf_counter()
-    subprocess.run(["cat", *paths], stdout=subprocess.DEVNULL, check=True)
-    return time.perf_counter() - start
+def write_dataset(folder: Path, total_bytes: int, max_tokens: int) -> list[Expected]:
+    return [Expected(d.sample_id, str(d.path), d.tokens, d.loss_mask.count(1),
+                     dumpformat.ids_hash(d.input_ids), checksum.file_checksum(d.path), FINGERPRINT,
+                     HIDDEN, "bfloat16")
+            for d in write_dumps(folder, total_bytes, 100, max_tokens)]
 
 
 def time_verify(items: list[Expected], workers: int) -> float:
@@ -96,11 +63,11 @@ def main() -> None:
         size = sum(os.path.getsize(p) for p in paths)
         print(f"dataset: {len(items)} files, {size / 1e9:.2f} GB in {folder} "
               f"(written in {time.perf_counter() - start:.1f} s); {args.workers} verify workers")
-        time_cat(paths)  # warm-up: both sides then read from the page cache
+        timed(["cat", *paths])  # warm-up: both sides then read from the page cache
         cat_rates, verify_rates = [], []
         print(f"{'round':>5} {'cat GB/s':>9} {'verify GB/s':>12}")
         for r in range(rounds):
-            cat_rates.append(size / time_cat(paths) / 1e9)
+            cat_rates.append(size / timed(["cat", *paths]) / 1e9)
             verify_rates.append(size / time_verify(items, args.workers) / 1e9)
             print(f"{r + 1:>5} {cat_rates[-1]:>9.2f} {verify_rates[-1]:>12.2f}")
     cat, verify = statistics.median(cat_rates), statistics.median(verify_rates)

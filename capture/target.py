@@ -45,7 +45,11 @@ def load_model(model_path: Path, dtype: str, device: str) -> Any:
     from transformers import AutoModelForCausalLM
     where, kw = _source(model_path)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    model = AutoModelForCausalLM.from_pretrained(where, dtype=getattr(torch, dtype), **kw)
+    import transformers
+    # transformers renamed `torch_dtype` to `dtype` in 4.56; GPU images often carry older ones.
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(where, **{key: getattr(torch, dtype)}, **kw)
     return model.to(pick_device(device)).eval()
 
 

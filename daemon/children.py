@@ -8,28 +8,20 @@ never by a bare pid that the kernel may have handed to an unrelated process sinc
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO, Sequence
 
 import psutil
 
+from eagle3d.statemachine.lifecycle import die_with_parent
+
 log = logging.getLogger("eagle3d")
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -56,7 +48,7 @@ class Child:
         self.pid_file = Path(pid_dir) / f"{name}.json"
         self.started = time.time()
         self.proc = subprocess.Popen(self.argv, env=child_env(env), stdin=stdin, stdout=stdout,
-                                     start_new_session=True, preexec_fn=_die_with_parent,
+                                     start_new_session=True, preexec_fn=die_with_parent,
                                      close_fds=True)
         try:
             created = psutil.Process(self.proc.pid).create_time()
@@ -77,22 +69,36 @@ class Child:
             self.pid_file.unlink(missing_ok=True)
         return code
 
-    def signal(self, sig: int) -> None:
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.Error:
+            return []
+
+    def signal(self, sig: int, tree: list[psutil.Process] | None = None) -> None:
+        """To its process group and to every descendant: torchrun's ranks have sessions of
+        their own, so the group alone would miss them."""
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+        for p in self.descendants() if tree is None else tree:
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
 
     def stop(self, grace: float) -> int:
-        """SIGTERM to the whole group, SIGKILL after `grace` seconds; returns the exit code."""
+        """SIGTERM to the whole tree, SIGKILL after `grace` seconds; returns the exit code."""
+        tree = self.descendants()  # taken now: once the leader is gone its children are orphans
         if self.proc.poll() is None:
-            self.signal(signal.SIGTERM)
+            self.signal(signal.SIGTERM, tree)
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
                 log.warning("%s did not stop within %.0f s: killing it", self.name, grace)
-        # The group may hold grandchildren even after the leader is gone.
-        self.signal(signal.SIGKILL)
+        _, alive = psutil.wait_procs(tree, timeout=grace if grace > 0 else 0)
+        self.signal(signal.SIGKILL, alive)
         code = self.proc.wait()
         self.pid_file.unlink(missing_ok=True)
         return code

@@ -8,15 +8,15 @@ Exit codes follow `systemctl status`: 0 running and healthy, 1 failed, 3 not run
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from eagle3d.daemon import control
 from eagle3d.statemachine.config import Config, ConfigError, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
@@ -236,6 +236,7 @@ def cmd_status(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def _request(cfg: Config, verb: str, payload: dict[str, Any]) -> int:
+    from eagle3d.daemon import control  # only requests need it: status starts faster
     st = collect_status(cfg)
     if not st["daemon"]["alive"]:
         print(f"the daemon is not running (state in {cfg.paths.state_dir}); start it "
@@ -299,36 +300,52 @@ def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="eagle3ctl", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("-c", "--config", default=os.environ.get("EAGLE3D_CONFIG", DEFAULT_CONFIG),
-                   help=f"config file (default {DEFAULT_CONFIG} or $EAGLE3D_CONFIG)")
-    sub = p.add_subparsers(dest="command", required=True)
-    s = sub.add_parser("status", help="where the pipeline is (exit 0 healthy, 1 failed, 3 not running)")
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    # Left to itself, argparse imports shutil (and with it bz2, lzma, zlib: ~2 ms) to ask for
+    # the terminal width every time it builds a parser, help printed or not.
+    try:
+        width = os.get_terminal_size().columns
+    except OSError:
+        width = 80
+    return argparse.RawDescriptionHelpFormatter(prog, width=width - 2)
+
+
+def _status_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true")
     s.add_argument("--watch", action="store_true", help="refresh until Ctrl-C")
     s.add_argument("--interval", type=float, default=2.0)
-    sub.add_parser("check-config", help="validate the config file and exit")
-    s = sub.add_parser("pause", help="stop dispatching new work (in-flight work finishes)")
+
+
+def _pause_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--reason", default="")
-    sub.add_parser("resume", help="undo pause")
-    s = sub.add_parser("retry", help="give failed samples (or the given ids) fresh attempts")
+
+
+def _retry_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("ids", nargs="*")
     s.add_argument("--failed", action="store_true", help="every failed sample")
-    s = sub.add_parser("exclude", help="take samples out of the dataset, with a written reason")
+
+
+def _exclude_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("ids", nargs="+")
     s.add_argument("--reason", required=True)
-    s = sub.add_parser("verify", help="ask for verification")
+
+
+def _verify_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--full", action="store_true", required=True,
                    help="re-read every verified sample too, not only new ones")
-    s = sub.add_parser("samples", help="list samples")
+
+
+def _samples_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--status", choices=STATUSES)
     s.add_argument("--limit", type=int, default=50)
     s.add_argument("--json", action="store_true")
-    s = sub.add_parser("events", help="the ledger's event log, newest last")
+
+
+def _events_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--limit", type=int, default=30)
-    s = sub.add_parser("eval", help="measure a drafter's acceptance length with the real target")
+
+
+def _eval_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--drafter", help="export folder (default <train_dir>/export)")
     s.add_argument("--source")
     s.add_argument("--first", type=int)
@@ -336,14 +353,56 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int)
     s.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
     s.add_argument("--json", action="store_true")
-    sub.add_parser("engine-command", help="print the exact engine command the daemon runs")
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None]] = {
+    "status": ("where the pipeline is (exit 0 healthy, 1 failed, 3 not running)", _status_args),
+    "check-config": ("validate the config file and exit", None),
+    "pause": ("stop dispatching new work (in-flight work finishes)", _pause_args),
+    "resume": ("undo pause", None),
+    "retry": ("give failed samples (or the given ids) fresh attempts", _retry_args),
+    "exclude": ("take samples out of the dataset, with a written reason", _exclude_args),
+    "verify": ("ask for verification", _verify_args),
+    "samples": ("list samples", _samples_args),
+    "events": ("the ledger's event log, newest last", _events_args),
+    "eval": ("measure a drafter's acceptance length with the real target", _eval_args),
+    "engine-command": ("print the exact engine command the daemon runs", None),
+}
+
+
+def _command_word(argv: list[str]) -> str | None:
+    """The subcommand argv names, found without argparse: the first word that is neither an
+    option nor the value of -c. None when there is no known one (argparse then explains)."""
+    words = iter(argv)
+    for word in words:
+        if word in ("-c", "--config"):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word if word in COMMANDS else None
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser, or only `command`'s subparser: building all eleven costs a few
+    milliseconds of every `eagle3ctl status`."""
+    p = argparse.ArgumentParser(prog="eagle3ctl", description=__doc__, formatter_class=_formatter)
+    p.add_argument("-c", "--config", default=os.environ.get("EAGLE3D_CONFIG", DEFAULT_CONFIG),
+                   help=f"config file (default {DEFAULT_CONFIG} or $EAGLE3D_CONFIG)")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=functools.partial(
+        argparse.ArgumentParser, formatter_class=_formatter))
+    for name, (help_text, add_arguments) in COMMANDS.items():
+        if command in (None, name):
+            s = sub.add_parser(name, help=help_text)
+            if add_arguments:
+                add_arguments(s)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     import signal
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `eagle3ctl status | head` ends quietly
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(_command_word(argv)).parse_args(argv)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:

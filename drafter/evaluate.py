@@ -213,9 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     max_new = args.max_new_tokens or cfg.eval.max_new_tokens
     device = pick_device(cfg.target.device)
     torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
-    # On CPU, float32 is the fast path (GGUF and bf16 weights compute in float32 there anyway).
-    target = load_model(cfg.target.model_path, "float32" if device == "cpu" else cfg.target.dtype,
-                        device)
+    # float32: verifying k+1 drafted tokens in one forward must pick exactly the tokens that k+1
+    # one-token forwards pick; in bf16 the two round differently and near-ties flip (seen on an
+    # H200). On CPU it is also the fast path for GGUF weights.
+    target = load_model(cfg.target.model_path, "float32", device)
     tokenizer = load_tokenizer(cfg.target.model_path)
     embed = target.get_input_embeddings().weight.detach().float().cpu()
     drafter, vocab, config = load_export(drafter_dir, embed)

@@ -35,6 +35,7 @@ from eagle3d.statemachine import manifest as manifest_mod
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import Config, ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger, LedgerError
+from eagle3d.statemachine.lifecycle import die_with_parent
 
 EXIT_REFUSED = 2
 
@@ -357,6 +358,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Train the EAGLE-3 drafter (run under torchrun).")
     parser.add_argument("-c", "--config", required=True, help="the eagle3d TOML config")
     args = parser.parse_args(argv)
+    # If torchrun dies (with the daemon, by kill -9), checkpoint and stop instead of lingering.
+    die_with_parent(signal.SIGTERM)
     try:
         cfg = load_config(args.config)
     except ConfigError as exc:

@@ -99,7 +99,7 @@ class ExtractConfig(NamedTuple):
     inflight_timeout_s: float = 900.0
     max_attempts: int = 3
     engine_max_restarts: int = 5
-    ingest_threads: int = 2
+    ingest_threads: int = 4
     rescan_interval_s: float = 5.0
 
 

@@ -1,0 +1,472 @@
+"""Drafter training tokens/s and peak memory, as a ratio to SpecForge's EAGLE-3 trainer.
+
+A Llama-3.1-8B-sized draft (hidden 4096, intermediate 14336, 32/8 heads, draft vocabulary 32,000
+of 128,256, TTT 7, batch 1, bf16) trains on the same random batches, from the same initial
+weights, with the same draft vocabulary, learning rate and gradient clipping, twice in one
+process: with our trainer (drafter/model.py driven as drafter/train.py drives it) and with
+SpecForge's (`LlamaForCausalLMEagle3` with flex attention, `OnlineEagle3Model`, `TargetHead`,
+`Eagle3TrainStrategy.forward_loss` and `BF16Optimizer`, one GPU, no FSDP). Every run is built
+anew, warmed up, then timed; runs alternate ours/theirs in ABBA order so both share the noise.
+Judged by, per sequence length,
+
+    ratio = our tokens/s / SpecForge's tokens/s
+            (goal: >= 1.2 at no more peak memory, with the loss after the same tokens no worse)
+
+printed last. SpecForge is optional (its wheel installs with `pip install --no-deps`); without it
+our trainer runs alone. `--tiny` swaps in a tiny shape so the script runs anywhere (on CPU in the
+tests).
+
+    python bench/gpu_train.py                 # on a GPU server
+    python bench/gpu_train.py --tiny          # anywhere
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import gc
+import importlib
+import shutil
+import sys
+import tempfile
+import time
+import tomllib
+import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def ensure_eagle3d(repo: Path = REPO) -> Path | None:
+    """Make `eagle3d.*` importable. Where the editable install is missing (a bare GPU machine
+    without network), mirror its mapping (pyproject's package-dir) with symlinks in a temporary
+    folder put first on sys.path; returns that folder (removed at exit), or None."""
+    try:
+        importlib.import_module("eagle3d.drafter")
+        return None
+    except ImportError:
+        pass
+    for name in [m for m in sys.modules if m == "eagle3d" or m.startswith("eagle3d.")]:
+        del sys.modules[name]  # a half-finished import would shadow the mapping
+    package_dir = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"]
+    root = Path(tempfile.mkdtemp(prefix="eagle3d-import-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    (root / "eagle3d").mkdir()
+    (root / "eagle3d" / "__init__.py").write_text("")
+    for package, folder in package_dir.items():
+        (root / package.replace(".", "/")).symlink_to(repo / folder, target_is_directory=True)
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    print(f"eagle3d is not installed: importing it from {repo} through {root}", file=sys.stderr)
+    return root
+
+
+ensure_eagle3d()
+
+from eagle3d.drafter import data, vocab as vocab_mod  # noqa: E402
+from eagle3d.drafter.model import LOSS_DECAY, DraftConfig, Eagle3Drafter  # noqa: E402
+
+ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+RMS_EPS = 1e-5
+GRAD_CLIP = 0.5  # [train] grad_clip's default, and SpecForge's max_grad_norm
+OUT_OF_DRAFT_SCALE = 0.1
+LOSS_TOLERANCE = 0.01  # "no worse": within 1% (bf16 runs differ in the last bits)
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    draft_vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+LLAMA_8B = Shape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256,
+                 draft_vocab=32000)
+TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, draft_vocab=128)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The parts of a random target both trainers read: its embedding, its lm_head and the
+    draft vocabulary (bf16, as a Llama checkpoint holds them)."""
+    embed: Tensor  # [V, H]
+    head: Tensor   # [V, H]
+    vocab: vocab_mod.DraftVocab
+
+
+@dataclass(frozen=True)
+class Batch:
+    input_ids: Tensor  # [1, T]
+    aux: Tensor        # [1, T, 3H]: the three captured hidden states
+    last: Tensor       # [1, T, H]: the target's final hidden state
+    loss_mask: Tensor  # [1, T]: 1 where token t is trained on (SpecForge's and the dumps' sense)
+
+    @property
+    def tokens(self) -> int:
+        return self.input_ids.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.input_ids, self.aux, self.last, self.loss_mask))
+
+
+def random_target(shape: Shape, device: torch.device) -> Target:
+    g = torch.Generator(device=device).manual_seed(0)
+    embed = torch.randn(shape.vocab, shape.hidden, generator=g, device=device) * 0.02
+    head = torch.randn(shape.vocab, shape.hidden, generator=g, device=device) * 0.02
+    counts = torch.randint(0, 1_000_000, (shape.vocab,), generator=torch.Generator().manual_seed(0))
+    vocab = vocab_mod.from_counts(counts, shape.draft_vocab)
+    # The draft vocabulary holds the target's frequent tokens; shrinking the other rows keeps
+    # every teacher argmax inside it, so SpecForge's position mask (argmax in the draft
+    # vocabulary) keeps every position, as ours does, and the two losses average alike.
+    head[~vocab.t2d.to(device)] *= OUT_OF_DRAFT_SCALE
+    return Target(embed.bfloat16(), head.bfloat16(), vocab)
+
+
+def random_batches(shape: Shape, seq_len: int, count: int, device: torch.device) -> list[Batch]:
+    g = torch.Generator(device=device).manual_seed(seq_len)
+    batches = []
+    for _ in range(count):
+        ids = torch.randint(0, shape.vocab, (1, seq_len), generator=g, device=device)
+        aux = torch.randn(1, seq_len, 3 * shape.hidden, generator=g, device=device)
+        last = torch.randn(1, seq_len, shape.hidden, generator=g, device=device)
+        batches.append(Batch(ids, aux.bfloat16(), last.bfloat16(),
+                             torch.ones(1, seq_len, dtype=torch.int64, device=device)))
+    return batches
+
+
+def draft_config(shape: Shape, max_len: int) -> DraftConfig:
+    return DraftConfig(hidden_size=shape.hidden, target_hidden_size=shape.hidden,
+                       intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+                       num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                       rms_norm_eps=RMS_EPS, max_position_embeddings=max_len,
+                       vocab_size=shape.vocab, draft_vocab_size=shape.draft_vocab,
+                       rope_parameters=dict(ROPE))
+
+
+def initial_weights(shape: Shape, target: Target, max_len: int,
+                    device: torch.device) -> dict[str, Tensor]:
+    """The drafter's starting parameters, as drafter/train.py makes them (lm_head = the
+    target's head over the draft vocabulary); both trainers start from these."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Eagle3Drafter(draft_config(shape, max_len), target.embed)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(target.head[target.vocab.target_ids.to(device)])
+    weights = {name: p.detach().float().clone() for name, p in model.named_parameters()}
+    del model
+    return weights
+
+
+class OurTrainer:
+    """drafter/train.py's training step: fp32 weights and AdamW, bf16 autocast on GPU, the
+    teacher over the draft vocabulary from the final hidden state."""
+
+    def __init__(self, shape: Shape, target: Target, weights: dict[str, Tensor], max_len: int,
+                 lr: float, ttt: int, device: torch.device) -> None:
+        self.ttt = ttt
+        with torch.device(device):
+            # train.py loads the target's tensors in float32 (drafter/target_weights.py).
+            self.model = Eagle3Drafter(draft_config(shape, max_len), target.embed.float())
+        self.model.load_state_dict(weights)
+        self.teacher_head = target.head[target.vocab.target_ids.to(device)].float()
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
+        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+                         else nullcontext())
+
+    def step(self, batch: Batch) -> Tensor:
+        targets = F.pad(batch.loss_mask[:, 1:].bool(), (0, 1), value=False)  # as load_batch
+        with self.autocast:
+            teacher = data.teacher_probs(batch.last, targets, self.teacher_head)
+            loss, _, _, _ = self.model(batch.input_ids, batch.aux.float(), teacher, targets,
+                                       self.ttt)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
+        self.optimizer.step()
+        return loss.detach()
+
+
+class SpecForgeTrainer:
+    """SpecForge 0.2's offline EAGLE-3 step on one GPU without FSDP, as its trainer runs it:
+    `Eagle3TrainStrategy.forward_loss` (TargetHead re-projecting the stored final hidden state),
+    backward, `BF16Optimizer.step` (fp32 masters, clipping)."""
+
+    def __init__(self, shape: Shape, target: Target, weights: dict[str, Tensor], max_len: int,
+                 lr: float, ttt: int, device: torch.device, backend: str,
+                 config_dir: Path) -> None:
+        from specforge.algorithms.eagle3.model import OnlineEagle3Model
+        from specforge.modeling.auto import AutoDraftModel
+        from specforge.modeling.target.target_head import TargetHead
+        from specforge.optimizer import BF16Optimizer
+        from specforge.runtime.contracts import TrainBatch
+        from specforge.training.strategies.base import Eagle3TrainStrategy
+        from transformers import LlamaConfig
+
+        self.TrainBatch = TrainBatch
+        config = LlamaConfig(
+            architectures=["LlamaForCausalLMEagle3"], hidden_size=shape.hidden,
+            intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
+            num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, num_hidden_layers=1,
+            vocab_size=shape.vocab, draft_vocab_size=shape.draft_vocab,
+            max_position_embeddings=max_len, rms_norm_eps=RMS_EPS, rope_parameters=dict(ROPE),
+            tie_word_embeddings=False, target_hidden_size=shape.hidden)
+        config.save_pretrained(config_dir)  # TargetHead reads the target's config from a folder
+        with torch.device(device):
+            draft = AutoDraftModel.from_config(config, attention_backend=backend,
+                                               torch_dtype=torch.bfloat16)
+            head = TargetHead(str(config_dir))
+        loaded = draft.load_state_dict(weights, strict=False)
+        trainable = {n for n, p in draft.named_parameters() if n != "embed_tokens.weight"}
+        if loaded.unexpected_keys or trainable & set(loaded.missing_keys):
+            raise RuntimeError(f"our weights do not map onto SpecForge's draft: unexpected "
+                               f"{loaded.unexpected_keys}, missing "
+                               f"{sorted(trainable & set(loaded.missing_keys))}")
+        with torch.no_grad():
+            draft.embed_tokens.weight.copy_(target.embed)
+            draft.d2t.copy_(target.vocab.d2t)
+            draft.t2d.copy_(target.vocab.t2d)
+            head.fc.weight.copy_(target.head)
+        draft.freeze_embedding()
+        head.freeze_weights()
+        model = OnlineEagle3Model(draft_model=draft, length=ttt, attention_backend=backend)
+        model = model.to(device=device, dtype=torch.bfloat16)
+        self.head = head.eval().to(device=device, dtype=torch.bfloat16)
+        self.strategy = Eagle3TrainStrategy(model, target_head=self.head, ploss_decay=LOSS_DECAY)
+        self.optimizer = BF16Optimizer(model, lr=lr, weight_decay=0.0, max_grad_norm=GRAD_CLIP,
+                                       total_steps=1_000_000, warmup_ratio=0.0,
+                                       lr_scheduler="constant")
+        self.t2d = target.vocab.t2d.to(device)
+        self.ttt = ttt
+        self.counts: dict[int, Tensor] = {}  # per batch, see positions()
+
+    def prepare(self, batches: list[Batch]) -> None:
+        self.counts.update({id(b): self.positions(b) for b in batches})
+
+    def positions(self, batch: Batch) -> Tensor:
+        """Per TTT step, how many positions SpecForge's loss counts: its loss is a sum over
+        them divided by all T, ours a mean over them, so its figure is rescaled by T / count."""
+        shifted = F.pad(batch.last[:, 1:], (0, 0, 0, 1))  # TargetHead.preprocess
+        argmax = torch.cat([(rows @ self.head.fc.weight.T).argmax(-1)
+                            for rows in shifted.split(512, dim=1)], dim=1)
+        kept = (self.t2d[argmax] & batch.loss_mask.bool())[0]
+        return torch.stack([kept[k:].sum() for k in range(self.ttt)]).clamp(min=1)
+
+    def step(self, batch: Batch) -> Tensor:
+        out = self.strategy.forward_loss(self.TrainBatch(
+            sample_ids=["bench"], strategy="eagle3",
+            tensors={"input_ids": batch.input_ids, "attention_mask": torch.ones_like(
+                batch.loss_mask), "loss_mask": batch.loss_mask, "hidden_state": batch.aux,
+                "target": batch.last},
+            metadata={"target_repr": "hidden_state"}))
+        out.loss.backward()
+        self.optimizer.step()
+        per_step = torch.stack([p.float() for p in out.metrics["plosses"]])
+        weights = LOSS_DECAY ** torch.arange(self.ttt, device=per_step.device,
+                                             dtype=torch.float32)
+        return (per_step * batch.tokens / self.counts[id(batch)] * weights).sum()
+
+
+@dataclass
+class Run:
+    seconds: float
+    tokens: int
+    peak: int  # bytes
+    loss: float
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed_run(build: Callable[[], OurTrainer | SpecForgeTrainer], batches: list[Batch],
+              warmup: int, steps: int, device: torch.device) -> Run:
+    """Build a trainer, warm it up, time `steps` steps. The peak counts what the trainer
+    allocates over what existed before it (the shared inputs and weights), plus one batch;
+    the loss is the mean over the last pass through the batches."""
+    free(device)
+    cuda = device.type == "cuda"
+    if cuda:
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer = build()
+    if isinstance(trainer, SpecForgeTrainer):
+        trainer.prepare(batches)
+    losses = []
+    for i in range(warmup + steps):
+        if i == warmup:
+            synchronize(device)
+            t0 = time.perf_counter()
+        losses.append(trainer.step(batches[i % len(batches)]))
+    synchronize(device)
+    seconds = time.perf_counter() - t0
+    peak = (torch.cuda.max_memory_allocated(device) - before + batches[0].nbytes) if cuda else 0
+    loss = torch.stack(losses[-len(batches):]).mean().item()
+    del trainer, losses
+    free(device)
+    return Run(seconds, steps * batches[0].tokens, peak, loss)
+
+
+@dataclass
+class Result:
+    tokens_per_s: float
+    peak_gib: float
+    loss: float
+
+
+def summarize(runs: list[Run]) -> Result:
+    return Result(sum(r.tokens for r in runs) / sum(r.seconds for r in runs),
+                  max(r.peak for r in runs) / 2**30, sum(r.loss for r in runs) / len(runs))
+
+
+def specforge_missing() -> str | None:
+    try:
+        importlib.import_module("specforge.algorithms.eagle3.model")
+        return None
+    except Exception as exc:  # an import error deep in its dependencies counts as missing
+        return f"{type(exc).__name__}: {exc}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
+    parser.add_argument("--seq-lens", default="",
+                        help="comma-separated sequence lengths (default: 2048,4096; 32,64 with "
+                             "--tiny)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs per trainer and length, alternating ours/theirs ABBA")
+    parser.add_argument("--batches", type=int, default=4,
+                        help="distinct random batches, cycled through")
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--no-specforge", action="store_true", help="run ours alone")
+    parser.add_argument("--specforge-backend", default="flex_attention",
+                        choices=("flex_attention", "sdpa"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    if min(args.steps, args.repeats, args.batches, args.ttt) < 1 or args.warmup < 0:
+        parser.error("--steps, --repeats, --batches and --ttt must be >= 1, --warmup >= 0")
+
+    shape = TINY if args.tiny else LLAMA_8B
+    seq_lens = [int(s) for s in (args.seq_lens or ("32,64" if args.tiny else "2048,4096"))
+                .split(",")]
+    if min(seq_lens) <= args.ttt:
+        parser.error(f"sequence lengths must exceed --ttt {args.ttt}")
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        # CPU runs are the tiny smoke run: its tensors gain nothing from threads, and on a
+        # busy machine spinning OpenMP threads make a step take seconds instead of ~20 ms.
+        torch.set_num_threads(1)
+    skipped = "--no-specforge" if args.no_specforge else specforge_missing()
+    max_len = max(seq_lens) + args.ttt
+
+    target = random_target(shape, device)
+    weights = initial_weights(shape, target, max_len, device)
+    config_dir = Path(tempfile.mkdtemp(prefix="eagle3d-bench-train-"))
+    atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
+    trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]] = {
+        "ours": lambda: OurTrainer(shape, target, weights, max_len, args.lr, args.ttt, device)}
+    if skipped is None:
+        trainers["specforge"] = lambda: SpecForgeTrainer(
+            shape, target, weights, max_len, args.lr, args.ttt, device, args.specforge_backend,
+            config_dir)
+
+    results = measure(trainers, seq_lens, batches=lambda n: random_batches(
+        shape, n, args.batches, device), warmup=args.warmup, steps=args.steps,
+        repeats=args.repeats, device=device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"draft {'tiny' if args.tiny else 'Llama-3.1-8B-sized'} (hidden {shape.hidden}, "
+          f"intermediate {shape.intermediate}, heads {shape.heads}/{shape.kv_heads}, draft "
+          f"vocab {shape.draft_vocab} of {shape.vocab}), TTT {args.ttt}, batch 1, bf16, {where}; "
+          f"{args.warmup} warm-up + {args.steps} timed steps x {args.repeats} runs; SpecForge "
+          f"{args.specforge_backend if skipped is None else 'skipped'}")
+    report(results, seq_lens, list(trainers))
+    if skipped is not None:
+        print(f"comparison with SpecForge skipped ({skipped})")
+    return 0 if all(isinstance(r, Result) for r in results.values()) else 1
+
+
+def measure(trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]],
+            seq_lens: list[int], batches: Callable[[int], list[Batch]], warmup: int, steps: int,
+            repeats: int, device: torch.device) -> dict[tuple[int, str], Result | str]:
+    """Per (length, trainer), its figures or why it failed; runs alternate ABBA."""
+    results: dict[tuple[int, str], Result | str] = {}
+    for seq_len in seq_lens:
+        inputs = batches(seq_len)
+        runs: dict[str, list[Run]] = {name: [] for name in trainers}
+        for r in range(repeats):
+            for name in (list(trainers) if r % 2 == 0 else list(trainers)[::-1]):
+                if isinstance(results.get((seq_len, name)), str):
+                    continue  # failed once at this length: its other runs would too
+                try:
+                    runs[name].append(timed_run(trainers[name], inputs, warmup, steps, device))
+                except Exception as exc:  # one trainer failing must not lose the other's figure
+                    traceback.print_exc()
+                    results[seq_len, name] = f"failed: {type(exc).__name__}"
+        for name, done in runs.items():
+            if done and (seq_len, name) not in results:
+                results[seq_len, name] = summarize(done)
+        del inputs
+        free(device)
+    return results
+
+
+def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
+           names: list[str]) -> None:
+    """The table, then (with SpecForge) the judged ratios, last."""
+    print(f"{'T':>6}  {'trainer':<10}{'tokens/s':>10}{'peak GiB':>10}{'loss':>9}")
+    for seq_len in seq_lens:
+        for name in names:
+            res = results[seq_len, name]
+            if isinstance(res, str):
+                print(f"{seq_len:>6}  {name:<10}{res:>29}")
+            else:
+                print(f"{seq_len:>6}  {name:<10}{res.tokens_per_s:>10.0f}"
+                      f"{res.peak_gib:>10.2f}{res.loss:>9.4f}")
+    if "specforge" not in names:
+        return
+    verdicts = []
+    for seq_len in seq_lens:
+        ours, theirs = results[seq_len, "ours"], results[seq_len, "specforge"]
+        if not (isinstance(ours, Result) and isinstance(theirs, Result)):
+            print(f"ratio ours/specforge T={seq_len}: n/a (a trainer failed)")
+            verdicts.append(False)
+            continue
+        memory_ok = ours.peak_gib <= theirs.peak_gib
+        loss_ok = ours.loss <= theirs.loss * (1 + LOSS_TOLERANCE)
+        ratio = ours.tokens_per_s / theirs.tokens_per_s
+        verdicts.append(ratio >= 1.2 and memory_ok and loss_ok)
+        print(f"ratio ours/specforge T={seq_len}: {ratio:.3f} (goal >= 1.2; peak "
+              f"{ours.peak_gib:.2f} vs {theirs.peak_gib:.2f} GiB {'ok' if memory_ok else 'OVER'}"
+              f"; loss {ours.loss:.4f} vs {theirs.loss:.4f} {'ok' if loss_ok else 'WORSE'}): "
+              f"{'met' if verdicts[-1] else 'not met'}")
+    print(f"goal (>= 1.2x SpecForge's tokens/s at <= its peak memory, loss no worse) at every "
+          f"length: {'met' if all(verdicts) else 'not met'}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""Smoke runs of the bench scripts at tiny sizes, as whole processes: each finishes, prints its
+judged figure last, and leaves nothing behind. No timing is asserted (the figures are only
+meaningful at full size)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run_bench(script: str, *args: str) -> list[str]:
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().splitlines()
+
+
+def ratio(line: str, label: str) -> float:
+    match = re.match(rf"{re.escape(label)}.*?: (\d+\.\d+) \(goal", line)
+    assert match, f"last line is not the judged ratio: {line!r}"
+    return float(match.group(1))
+
+
+@pytest.fixture
+def shm():
+    folder = Path("/dev/shm") / f"eagle3d-test-bench-{uuid.uuid4().hex[:8]}"
+    folder.mkdir()
+    yield folder
+    os.rmdir(folder)  # fails the test if the bench left its spool behind
+
+
+def test_ingest_bench_ratio_last_and_spool_and_dataset_removed(tmp_path, shm):
+    lines = run_bench("ingest.py", "--quick", "--dir", str(tmp_path), "--spool-dir", str(shm),
+                      "--also-threads", "3")
+    assert ratio(lines[-1], "ingest/cp throughput ratio") > 0
+    assert any(line.startswith("experiment: ingest x3/cp") for line in lines)
+    rounds = [line for line in lines if re.match(r"\s+\d+\s", line)]
+    assert len(rounds) == 2 and all(len(r.split()) == 5 for r in rounds)  # round + 4 arms
+    assert not list(tmp_path.iterdir()) and not list(shm.iterdir())
+
+
+def test_status_bench_runs_under_a_live_ingest_load(tmp_path, shm):
+    lines = run_bench("status.py", "--quick", "--dir", str(tmp_path), "--spool-dir", str(shm))
+    assert ratio(lines[-1], "eagle3ctl status / python -c pass") > 0
+    loaded = next(line for line in lines if line.startswith("meanwhile the load ingested"))
+    assert float(loaded.split()[4]) > 0, "the background ingest load ingested nothing"
+    assert not list(tmp_path.iterdir()) and not list(shm.iterdir())
+
+
+def test_verify_and_ledger_benches_still_run(tmp_path):
+    lines = run_bench("verify.py", "--quick", "--dir", str(tmp_path))
+    assert ratio(lines[-1], "verify/cat throughput ratio") > 0
+    env_dir = {"BENCH_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "ledger.py"), "--sizes",
+                          "500,1000", "--rounds", "1", "--batch", "100"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, **env_dir})
+    assert out.returncode == 0, out.stderr
+    assert "status at 1,000 rows" in out.stdout.strip().splitlines()[-1]
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,64 @@
+"""bench/gpu_train.py at a tiny shape on CPU, as whole processes: it trains, prints its table,
+says when SpecForge is missing, and finds our package even where the editable install is not
+there (the GPU machine). No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "gpu_train.py"
+ROW = re.compile(r"^\s*(\d+)\s+ours\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$")
+
+
+def run(*args: str, python: list[str] | None = None, env: dict | None = None,
+        cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([*(python or [sys.executable]), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_tiny_run_trains_ours_and_says_specforge_was_skipped():
+    if importlib.util.find_spec("specforge") is not None:
+        pytest.skip("specforge is installed here: the comparison would run instead")
+    out = run(str(SCRIPT), "--tiny", "--steps", "2", "--warmup", "1", "--repeats", "1",
+              "--batches", "2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    rows = {int(m.group(1)): m for m in map(ROW.match, lines) if m}
+    assert sorted(rows) == [32, 64], out.stdout
+    for m in rows.values():
+        assert int(m.group(2)) > 0 and math.isfinite(float(m.group(4))) and float(m.group(4)) > 0
+    assert lines[-1].startswith("comparison with SpecForge skipped (ModuleNotFoundError")
+
+
+def test_bad_lengths_are_refused_with_a_reason():
+    out = run(str(SCRIPT), "--tiny", "--seq-lens", "4", "--no-specforge")
+    assert out.returncode == 2
+    assert "sequence lengths must exceed --ttt 7" in out.stderr
+
+
+def test_finds_eagle3d_without_the_editable_install(tmp_path):
+    """`python -S` skips the .pth files, so only the site-packages on PYTHONPATH (torch, ...)
+    are there and `eagle3d` is not: the script maps the repo's folders itself, as pyproject
+    does, and removes its temporary folder at exit."""
+    probe = ("import importlib, os, sys; sys.path.insert(0, sys.argv[1]); import gpu_train; "
+             "print(*[os.path.realpath(importlib.import_module(f'eagle3d.{p}').__path__[0]) "
+             "for p in ('statemachine', 'daemon', 'capture', 'drafter')])")
+    env = {"PYTHONPATH": sysconfig.get_paths()["purelib"], "PATH": "/usr/bin:/bin"}
+    out = run("-c", probe, str(ROOT / "bench"), python=[sys.executable, "-S"], env=env,
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    note = re.search(r"eagle3d is not installed: importing it from (\S+) through (\S+)",
+                     out.stderr)
+    assert note and Path(note.group(1)) == ROOT, out.stderr
+    mapped = [Path(p).resolve() for p in out.stdout.split()]
+    assert mapped == [ROOT / "statemachine", ROOT / "daemon", ROOT / "capture", ROOT / "drafter"]
+    assert not Path(note.group(2)).exists()  # removed at exit
