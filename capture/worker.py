@@ -17,7 +17,8 @@ Protocol (one JSON object per line, UTF-8):
   replies   for each sample that cannot be done (bad input; a forward that fails even alone;
             a failed write):
               {"event": "error", "ids": [SID], "error": "why"}
-            then, once every dump of the request is on disk, one
+            with "kind": "disk_full" added when the write failed for lack of space (the sample is
+            not at fault: the daemon returns it without counting an attempt), then, once every dump of the request is on disk, one
               {"event": "done", "ids": [SID, ...], "tokens": N, "seconds": S}
             naming the samples written (tokens: their total; seconds: from the request's arrival).
             A line that is not a request gets {"event": "error", "ids": [], "error": "..."}.
@@ -35,6 +36,7 @@ runs on its own stream into pinned memory, so the GPU does not wait for the disk
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import math
@@ -237,7 +239,8 @@ class Capturer:
                     written.append(job.id)
                     tokens += len(job.input_ids)
                 except Exception as exc:  # disk full, folder gone: this sample fails, not all
-                    errors.append((job.id, f"write failed: {exc}"))
+                    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+                    errors.append((job.id, f"write failed: {exc}", "disk_full" if full else None))
         finally:
             self.slots.release()
             with self.lock:
@@ -305,8 +308,11 @@ class Worker:
         with self.emit_lock:
             while self.order and self.order[0].tasks == 0:
                 p = self.order.pop(0)
-                for sid, why in p.errors:
-                    self._write({"event": "error", "ids": [sid], "error": why})
+                for sid, why, *kind in p.errors:
+                    event = {"event": "error", "ids": [sid], "error": why}
+                    if kind and kind[0]:
+                        event["kind"] = kind[0]
+                    self._write(event)
                 self._write({"event": "done", "ids": p.written, "tokens": p.tokens,
                              "seconds": round(time.monotonic() - p.t0, 3)})
             self.proto.flush()

@@ -11,15 +11,7 @@ from pathlib import Path
 
 import psutil
 
-from eagle3d.statemachine.config import Config
-
-
-def human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
+from eagle3d.statemachine.config import Config, human_bytes
 
 
 @dataclass(frozen=True)
@@ -46,8 +38,8 @@ def dataset_pause(cfg: Config, free: int, committed: int) -> str | None:
     """Why dispatch must wait for the dataset disk; `committed` is what in-flight and spooled
     samples will still write there."""
     if free - committed < cfg.budget.reserve:
-        return (f"disk budget: the dataset file system has {human(free)} free, "
-                f"{human(committed)} is on its way, and {human(cfg.budget.reserve)} must stay "
+        return (f"disk budget: the dataset file system has {human_bytes(free)} free, "
+                f"{human_bytes(committed)} is on its way, and {human_bytes(cfg.budget.reserve)} must stay "
                 "free ([budget] reserve); dispatch resumes when space is freed")
     return None
 
@@ -55,14 +47,19 @@ def dataset_pause(cfg: Config, free: int, committed: int) -> str | None:
 def projection_pause(cfg: Config, free: int, remaining: int) -> str | None:
     """Refuse to start (or go on) when the rest of the dataset cannot fit."""
     if remaining > free - cfg.budget.reserve:
-        return (f"the rest of the dataset is projected at {human(remaining)}, but the dataset "
-                f"file system has {human(free)} free and {human(cfg.budget.reserve)} must stay "
+        return (f"the rest of the dataset is projected at {human_bytes(remaining)}, but the dataset "
+                f"file system has {human_bytes(free)} free and {human_bytes(cfg.budget.reserve)} must stay "
                 "free; free space, lower [data] limit, or point dataset_dir elsewhere")
     return None
 
 
-def spool_pause(cfg: Config, spooled: int) -> str | None:
+def spool_pause(cfg: Config, spooled: int, free: int, one_batch: int) -> str | None:
+    """The spool's own cap, and its file system's free space (a tmpfs shared with others)."""
     if spooled >= cfg.budget.spool_max:
-        return (f"spool budget: {human(spooled)} waits in {cfg.paths.spool_dir}, the cap is "
-                f"{human(cfg.budget.spool_max)} ([budget] spool_max)")
+        return (f"spool budget: {human_bytes(spooled)} waits in {cfg.paths.spool_dir}, the cap is "
+                f"{human_bytes(cfg.budget.spool_max)} ([budget] spool_max)")
+    if free < one_batch:
+        return (f"spool budget: the spool's file system has {human_bytes(free)} free, less than "
+                f"one batch of dumps ({human_bytes(one_batch)}); dispatch resumes when space "
+                "is freed")
     return None

@@ -111,7 +111,8 @@ def end_orphans(pid_dir: Path, grace: float = 10.0) -> list[str]:
         try:
             rec = json.loads(pid_file.read_text())
             proc = psutil.Process(int(rec["pid"]))
-            same = abs(proc.create_time() - float(rec["create_time"])) < 0.05
+            same = (abs(proc.create_time() - float(rec["create_time"])) < 0.05
+                    and proc.status() != psutil.STATUS_ZOMBIE)
         except (OSError, ValueError, KeyError, psutil.Error):
             same = False
         if same:

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.config import Config, ConfigError, human_bytes, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
 from eagle3d.statemachine.statefile import read_state
@@ -25,14 +25,6 @@ from eagle3d.statemachine.statefile import read_state
 DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
 HEARTBEAT_STALE_S = 15.0
 ACK_TIMEOUT_S = 10.0
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return ""
 
 
 def _human_s(s: float | None) -> str:
@@ -158,10 +150,10 @@ def render_status(st: dict[str, Any]) -> str:
     lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
                  f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · ETA {_human_s(st.get('eta_s'))}")
     b = st.get("bytes", {})
-    disk_parts = [f"{x['role'].replace('_dir', '')} {_human_bytes(x['free'])} free"
+    disk_parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
                   for x in st.get("disk", [])[:2]]
     lines.append("disk      " + " · ".join(disk_parts + [
-        f"written {_human_bytes(b.get('written', 0))} of {_human_bytes(b.get('projected', 0))} "
+        f"written {human_bytes(b.get('written', 0))} of {human_bytes(b.get('projected', 0))} "
         "projected"]))
     e = st.get("engine", {})
     if e:
@@ -252,7 +244,7 @@ def _request(cfg: Config, verb: str, payload: dict[str, Any]) -> int:
 
 
 def cmd_samples(cfg: Config, args: argparse.Namespace) -> int:
-    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=2.0) as ledger:
         rows = ledger.samples(args.status, args.limit)
     if args.json:
         print(json.dumps([r._asdict() for r in rows], indent=2))
@@ -265,7 +257,7 @@ def cmd_samples(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_events(cfg: Config, args: argparse.Namespace) -> int:
-    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=2.0) as ledger:
         for t, kind, sample, detail in ledger.recent_events(args.limit):
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
             print(f"{stamp}  {kind:16s} {sample or '-':32s}  {detail or ''}")
@@ -435,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     except LedgerError as exc:
         print(f"eagle3ctl: {exc}", file=sys.stderr)
         return 3
+    except sqlite3.Error as exc:  # locked by a long write, say: say so, never a traceback
+        print(f"eagle3ctl: the ledger cannot be read right now ({exc}); try again", file=sys.stderr)
+        return 1
     if args.command == "eval":
         return cmd_eval(cfg, args)
     return cmd_engine_command(cfg, args)

@@ -236,12 +236,15 @@ class Daemon:
         self._engine_events()
         # A pause holds dispatch back, not the loaded model: resuming must not pay its load again.
         # A re-plan (a larger limit) keeps it too: extraction resumes right after.
-        if d.underlying in (Stage.EXTRACT, Stage.VERIFY) and d.stage != Stage.FAILED:
+        needed = d.underlying == Stage.EXTRACT or (d.underlying == Stage.VERIFY
+                                                   and self.cfg.verify.spot_checks > 0)
+        if needed and d.stage != Stage.FAILED:
             self._ensure_engine()
         elif self.engine is not None and (d.underlying in (Stage.TRAIN, Stage.DONE)
                                           or d.stage == Stage.FAILED):
             log.info("stopping the engine: stage %s needs no target model", d.stage.value)
-            self.engine.stop(ENGINE_STOP_GRACE)
+            # One still loading holds nothing worth waiting for.
+            self.engine.stop(ENGINE_STOP_GRACE if self.engine.ready else 0)
             self.engine = None
         if d.underlying == Stage.EXTRACT:
             self._expire_inflight()
@@ -375,7 +378,10 @@ class Daemon:
         if self.engine is None:
             return
         for ev in self.engine.events():
-            if ev.get("event") == "error":
+            if ev.get("event") == "error" and ev.get("kind") == "disk_full":
+                self.ledger.release(ev.get("ids", []), f"spool full: {ev.get('error')}")
+                self.disk_full_until = time.time() + 5.0
+            elif ev.get("event") == "error":
                 for sid in ev.get("ids", []):
                     self.ledger.mark_retry(sid, f"engine: {ev.get('error', 'unknown error')}",
                                            self.cfg.extract.max_attempts)
@@ -413,11 +419,13 @@ class Daemon:
         remaining = bpt * (counts.tokens.get("pending", 0) + counts.tokens.get("inflight", 0))
         spooled = self.spool.bytes_waiting if self.spool else 0
         inflight = bpt * counts.tokens.get("inflight", 0)
+        spool_free = budgets.disks(self.cfg)[1].free
         return (budgets.projection_pause(self.cfg, free, remaining)
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
-                or budgets.spool_pause(self.cfg, spooled)
-                or (f"disk budget: the dataset file system is full; ingest waits for space"
-                    if time.time() < self.disk_full_until else None))
+                or budgets.spool_pause(self.cfg, spooled, spool_free,
+                                       bpt * self.cfg.extract.batch_tokens)
+                or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
+                    "for space" if time.time() < self.disk_full_until else None))
 
     # ---- verify -------------------------------------------------------------------------------
 

@@ -49,6 +49,15 @@ def parse_size(value: Any) -> int:
     raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
 
 
+def human_bytes(n: float) -> str:
+    """The inverse of parse_size, for messages: 1536 -> "1.5 KiB"."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
 def resolve_location(value: str, base: Path) -> Path:
     """A path from the config: `pkg:PACKAGE/PATH` (a file inside an installed package, found
     without importing the package), absolute, or relative to the config file's folder."""

@@ -344,6 +344,19 @@ class Ledger:
                 self.event("requeued", f"{cur.rowcount} in-flight samples: {reason}", None, db)
         return cur.rowcount
 
+    def release(self, ids: Sequence[str], reason: str) -> int:
+        """In-flight samples back to pending without counting the attempt: the engine could not
+        finish them through no fault of theirs (a full spool, say)."""
+        with self.transaction() as db:
+            n = 0
+            for sid in ids:
+                n += db.execute("UPDATE samples SET status = 'pending', attempts = max(attempts - 1, 0),"
+                                " updated_at = ? WHERE id = ? AND status = 'inflight'",
+                                (time.time(), sid)).rowcount
+            if n:
+                self.event("released", f"{n} samples: {reason}", None, db)
+        return n
+
     def expired_inflight(self, older_than: float) -> list[str]:
         return [r[0] for r in self.db.execute(
             "SELECT id FROM samples WHERE status = 'inflight' AND dispatched_at < ?",

@@ -39,7 +39,10 @@ def read_state(state_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(state, problem): a missing or damaged file is reported, never raised."""
     path = Path(state_dir) / FILE
     try:
-        return tomllib.loads(path.read_bytes().decode("utf-8")), None
+        state = tomllib.loads(path.read_bytes().decode("utf-8"))
+        if "stage" not in state:
+            return None, f"{path} is incomplete (no stage); the daemon rewrites it every few seconds"
+        return state, None
     except FileNotFoundError:
         return None, f"no {FILE} yet (the daemon has not run with this config)"
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:

@@ -16,6 +16,7 @@ DEMO_EVAL = {"first": 17000, "limit": 8, "steps": 4, "max_new_tokens": 48}
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_demo_sized_drafter_accepts_more_than_one_token_and_keeps_greedy_output(tmp_path):
     data_root = cached_dataset(200, 0, 1024)
     config = write_config(tmp_path, data_root, DEMO_TRAIN, DEMO_EVAL, max_tokens=1024)
