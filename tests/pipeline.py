@@ -91,3 +91,17 @@ def run_until(config: Path, until: str, timeout: float = 600) -> str:
         out = d.output()
     assert code == 0, out[-6000:]
     return out
+
+
+def fill_file_system(folder: Path) -> Path:
+    """Fill a file system to the last byte, as another tenant of the disk would: large writes
+    first, then small ones for what is left."""
+    ballast = folder / "ballast"
+    with open(ballast, "wb", buffering=0) as f:
+        for size in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
+    return ballast

@@ -18,7 +18,7 @@ from eagle3d.statemachine import manifest
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations
-from tests.pipeline import DaemonProcess, run_until, status
+from tests.pipeline import DaemonProcess, fill_file_system, run_until, status
 
 pytestmark = pytest.mark.slow
 
@@ -101,21 +101,15 @@ def test_full_dataset_disk_pauses_then_finishes_after_space_is_freed(config_fact
                           paths={"dataset_dir": str(small_tmpfs / "dataset")},
                           budget={"reserve": "2MiB"}, verify={"spot_checks": 0},
                           extract={"max_inflight_tokens": 1024, "batch_tokens": 512})
-    ballast = small_tmpfs / "ballast"
     with DaemonProcess(config, "--until", "train") as d:
         d.status_until(lambda s: s["samples"]["extracted"] + s["samples"]["verified"] >= 3, 300,
                        "the first samples")
         # Someone else fills the disk: the run must pause with the figures, lose nothing.
-        with open(ballast, "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-            except OSError:
-                pass
+        fill_file_system(small_tmpfs)
         st = d.status_until(lambda s: s["stage"] == "paused", 120, "a disk-budget pause")
         assert "dataset file system" in st["reason"]
         done_before = st["samples"]["extracted"] + st["samples"]["verified"]
-        ballast.unlink()
+        (small_tmpfs / "ballast").unlink()
         assert d.wait(600) == 0, d.output()[-4000:]
     st = status(config)
     assert st["samples"]["verified"] == st["samples"]["total"] == 30

@@ -22,22 +22,11 @@ from eagle3d.statemachine.config import load_config
 from tests.chaos.conftest import SCALE, SEED
 from tests.chaos.harness import (audit, chaos_config, counts, describe, end, kill9,
                                  orphans_after_kill, progress, rank_processes, state, until)
-from tests.pipeline import DaemonProcess
+from tests.pipeline import DaemonProcess, fill_file_system
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
-def fill(folder: Path) -> Path:
-    """Fill a file system to the last byte, as another tenant of the disk would."""
-    ballast = folder / "ballast"
-    with open(ballast, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * (1 << 18))
-                f.flush()
-        except OSError:
-            pass
-    return ballast
 
 
 class Campaign:
@@ -99,7 +88,7 @@ class Campaign:
         until(d, lambda: self.done() > mark, 300, "extraction after the engine was killed")
 
     def dataset_full(self, d: DaemonProcess, data_fs: Path) -> None:
-        ballast = fill(data_fs)
+        ballast = fill_file_system(data_fs)
         until(d, lambda: state(self.cfg).get("stage") == "paused", 60,
               "a pause for the full dataset disk")
         ballast.unlink()
@@ -159,7 +148,7 @@ class Campaign:
 
     def checkpoint_disk_full(self, d: DaemonProcess, train_fs: Path) -> None:
         restarts = state(self.cfg).get("trainer", {}).get("restarts", 0)
-        ballast = fill(train_fs)
+        ballast = fill_file_system(train_fs)
         until(d, lambda: state(self.cfg).get("trainer", {}).get("restarts", 0) > restarts, 300,
               "the trainer to stop on a full checkpoint disk")
         ballast.unlink()

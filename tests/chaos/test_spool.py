@@ -21,7 +21,7 @@ from eagle3d.daemon import checksum
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.harness import audit, chaos_config, counts, until
-from tests.pipeline import DaemonProcess, ctl
+from tests.pipeline import DaemonProcess, ctl, fill_file_system
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
@@ -227,14 +227,7 @@ def test_a_full_spool_pauses_extraction_and_fails_no_sample(config_factory, tmp_
     with DaemonProcess(config, "--until", "train") as d:
         until(d, lambda: counts(cfg).get("extracted", 0) + counts(cfg).get("verified", 0) >= 2,
               300, "extraction")
-        ballast = spool_fs / "ballast"
-        with open(ballast, "wb") as out:
-            try:
-                while True:
-                    out.write(b"\0" * (1 << 16))
-                    out.flush()
-            except OSError:
-                pass
+        ballast = fill_file_system(spool_fs)
         # Held until the engine has hit the full disk at least once, and a few batches more.
         try:
             until(d, lambda: _no_space_events(cfg), 30, "a write into the full spool", poll=0.2)
