@@ -77,8 +77,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
             samples.update({s: counts.get(s) for s in STATUSES})
             samples["total"] = counts.total
             samples["skipped"] = ledger.skipped_count()
-            tokens = {"done": sum(counts.tokens.get(s, 0) for s in ("extracted", "verified")),
-                      "total": counts.total_tokens - counts.tokens.get("excluded", 0)}
+            tokens = {"done": counts.done_tokens, "total": counts.wanted_tokens}
             g = gate(counts)
             out["gate"] = {"open": g.open, "describe": g.describe()}
             for s in ledger.samples("failed", limit=5):

@@ -94,11 +94,10 @@ class WorkerEngine:
         """Close its input (it finishes the batch in hand and exits), then signals."""
         self._outbox.put(None)
         try:
-            return self.child.proc.wait(grace) if grace > 0 else self.child.stop(0)
+            self.child.proc.wait(grace)
         except subprocess.TimeoutExpired:
             return self.child.stop(grace)
-        finally:
-            self.child.stop(0)
+        return self.child.stop(0)  # reaps it and ends whatever it left behind
 
 
 class SGLangEngine:

@@ -415,14 +415,14 @@ class Daemon:
 
     def budget_pause(self, counts: Any) -> str | None:
         bpt = int(self.ledger.meta("plan.bytes_per_token", "0") or 0)
-        free = budgets.disks(self.cfg)[0].free
+        dataset_disk, spool_disk = budgets.disks(self.cfg)[:2]
+        free = dataset_disk.free
         remaining = bpt * (counts.tokens.get("pending", 0) + counts.tokens.get("inflight", 0))
         spooled = self.spool.bytes_waiting if self.spool else 0
         inflight = bpt * counts.tokens.get("inflight", 0)
-        spool_free = budgets.disks(self.cfg)[1].free
         return (budgets.projection_pause(self.cfg, free, remaining)
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
-                or budgets.spool_pause(self.cfg, spooled, spool_free,
+                or budgets.spool_pause(self.cfg, spooled, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
                 or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
                     "for space" if time.time() < self.disk_full_until else None))
@@ -550,8 +550,7 @@ class Daemon:
         counts = self.ledger.counts()
         d = self.decision
         samples_rate, tokens_rate = self._rates()
-        done_tokens = sum(counts.tokens.get(s, 0) for s in ("extracted", "verified"))
-        total_tokens = counts.total_tokens - counts.tokens.get("excluded", 0)
+        done_tokens, total_tokens = counts.done_tokens, counts.wanted_tokens
         bpt = int(self.ledger.meta("plan.bytes_per_token", "0") or 0)
         eta = None
         stage = d.underlying.value if d else "plan"

@@ -108,6 +108,16 @@ class Counts(NamedTuple):
     def total_tokens(self) -> int:
         return sum(self.tokens.get(s, 0) for s in STATUSES)
 
+    @property
+    def done_tokens(self) -> int:
+        """Tokens whose hidden states are in the dataset."""
+        return self.tokens.get("extracted", 0) + self.tokens.get("verified", 0)
+
+    @property
+    def wanted_tokens(self) -> int:
+        """Tokens the dataset is meant to hold: everything planned but what was excluded."""
+        return self.total_tokens - self.tokens.get("excluded", 0)
+
     def get(self, status: str) -> int:
         return self.n.get(status, 0)
 
