@@ -373,6 +373,7 @@ class Daemon:
         except EngineUnavailable as exc:
             self.engine_problem = str(exc)
             log.error("cannot start the engine: %s", exc)
+            self.ledger.event("engine_unavailable", str(exc))
 
     def _engine_events(self) -> None:
         if self.engine is None:
