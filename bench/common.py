@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 
 from eagle3d.capture import dumpformat
+from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.ingest import Ingestor, Outcome
 from eagle3d.statemachine.config import ExtractConfig
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
@@ -146,13 +147,14 @@ def empty_folder(folder: Path) -> None:
 class IngestRig:
     """The bench's dumps, planned in a ledger and ingested by `threads` threads the way the
     daemon's `[extract] ingest_threads` do it: each thread its own Ingestor and Ledger connection,
-    pulling names from one queue."""
+    pulling names from one queue, all sharing one GroupSync (its syncfs calls are timed too)."""
 
     def __init__(self, dumps: list[Dump], spool: Path, dataset: Path, ledger_path: Path,
                  first_idx: int = 0) -> None:
         self.spool, self.dataset, self.ledger_path = spool, dataset, ledger_path
         self.dumps = dumps
         self.nbytes = sum(d.path.stat().st_size for d in dumps)
+        self.syncs = 0  # syncfs calls of the last pass
         with Ledger(ledger_path) as ledger:
             ledger.add_planned(planned(dumps, first_idx), [], {})
             ledger.claim(len(dumps), 1 << 62)
@@ -171,9 +173,11 @@ class IngestRig:
             names.put(d.path.name)
         ledgers = [Ledger(self.ledger_path) for _ in range(threads)]
         failures: list[Outcome | BaseException] = []
+        group_sync = GroupSync(self.dataset)
 
         def work(ledger: Ledger) -> None:
-            ingestor = Ingestor(ledger, self.spool, self.dataset, CONTRACT, max_attempts=3)
+            ingestor = Ingestor(ledger, self.spool, self.dataset, CONTRACT, max_attempts=3,
+                                group_sync=group_sync)
             try:
                 while True:
                     try:
@@ -193,6 +197,7 @@ class IngestRig:
         for w in workers:
             w.join()
         seconds = time.perf_counter() - start
+        self.syncs = group_sync.syncs
         for lg in ledgers:
             lg.close()
         if failures:

@@ -1,10 +1,14 @@
 """Ingest: one dump from the spool into the dataset, or rejected with a reason.
 
-validate (header, ledger, contract) → copy to the shard folder while checksumming → fsync →
-rename → commit the ledger row → unlink the spool file. Every step is safe to repeat, so a crash
-between any two repairs itself at the next start: a dataset temp file is removed, a renamed file
-whose ledger row was not committed is written again from the spool (or removed as an orphan),
-and a spool file whose sample is already committed is recognised by its checksum and dropped.
+validate (header, ledger, contract) → copy to the shard folder while checksumming and scanning →
+rename → commit the ledger row → unlink the spool file. No fsync per file: "extracted" means
+copied, checksummed and scanned, and durability comes from group syncs (see durability.py);
+ENOSPC still shows at write time, since the file system reserves the space then.
+
+Every step is safe to repeat, so a crash between any two repairs itself at the next start: a
+dataset temp file is removed, a renamed file whose ledger row was not committed is written again
+from the spool (or removed as an orphan), and a spool file whose sample is already committed is
+recognised by its checksum and dropped.
 """
 
 from __future__ import annotations
@@ -19,8 +23,8 @@ from pathlib import Path
 from eagle3d.capture import dumpformat
 from eagle3d.capture.dumpformat import DumpError
 from eagle3d.daemon import checksum
+from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.verify import Expected, scan
-from eagle3d.statemachine.atomic import fsync_dir
 from eagle3d.statemachine.ledger import Ledger
 
 log = logging.getLogger("eagle3d")
@@ -49,13 +53,18 @@ def shard_path(dataset_dir: Path, idx: int, sample_id: str) -> tuple[Path, str]:
 
 
 class Ingestor:
+    """One per ingest thread, each with its own ledger connection. The daemon's threads share
+    one `group_sync`; without it nothing is synced during ingest (verify still syncs before it
+    trusts a file)."""
+
     def __init__(self, ledger: Ledger, spool: Path, dataset_dir: Path, contract: dict,
-                 max_attempts: int) -> None:
+                 max_attempts: int, group_sync: GroupSync | None = None) -> None:
         self.ledger = ledger
         self.spool = spool
         self.dataset_dir = dataset_dir
         self.contract = contract
         self.max_attempts = max_attempts
+        self.group_sync = group_sync
 
     def ingest(self, name: str) -> Outcome:
         path = self.spool / name
@@ -95,6 +104,8 @@ class Ingestor:
             dst.unlink(missing_ok=True)
             return self._reject(path, None, f"sample {sid} changed state during ingest")
         path.unlink(missing_ok=True)
+        if self.group_sync is not None:
+            self.group_sync.ingested(nbytes, self.ledger)
         return Outcome("ingested", sid, rel, header.tokens, nbytes)
 
     def _copy(self, src: Path, dst: Path, expected: Expected) -> tuple[str, int]:
@@ -108,8 +119,6 @@ class Ingestor:
             fd_out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o640)
             try:
                 problem, digest = scan(fd_in, st.st_size, expected, sink=fd_out)
-                if problem is None:
-                    os.fsync(fd_out)
             finally:
                 os.close(fd_out)
             after = os.fstat(fd_in)
@@ -126,7 +135,6 @@ class Ingestor:
             tmp.unlink(missing_ok=True)
             raise DumpError(problem)
         os.rename(tmp, dst)
-        fsync_dir(dst.parent)
         return digest, st.st_size
 
     def _duplicate(self, path: Path, committed: str | None) -> Outcome:

@@ -20,6 +20,7 @@ from typing import Any
 from eagle3d.capture import contract as capture_contract
 from eagle3d.daemon import budgets, control
 from eagle3d.daemon.children import Child, end_orphans
+from eagle3d.daemon.durability import GroupSync, SyncFs
 from eagle3d.daemon.engine import EngineUnavailable, start_engine
 from eagle3d.daemon.ingest import DiskFull, Ingestor, remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
@@ -83,6 +84,9 @@ class Daemon:
         self.ingest_threads: list[threading.Thread] = []
         self.ingested: collections.deque[tuple[float, int, int]] = collections.deque()
         self.ingest_lock = threading.Lock()
+        # Opened before anything is written, to hear of every write-back error (durability.py).
+        self.group_sync = GroupSync(cfg.paths.dataset_dir)
+        self.verify_sync = SyncFs(cfg.paths.dataset_dir)
         self.disk_full_until = 0.0
         self.verify: VerifyRunner | None = None
         self.spot = SpotCheck(cfg, self.ledger)
@@ -163,6 +167,7 @@ class Daemon:
             for t in self.ingest_threads:
                 t.join(timeout=30)
             self.spool.stop()
+            self.group_sync.flush(self.ledger)
         self.ledger.requeue_inflight("daemon stopped")
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self._publish(final=True)
@@ -321,7 +326,7 @@ class Daemon:
         assert self.spool is not None and self.contract is not None
         ledger = Ledger(self.state_dir / LEDGER)
         ingestor = Ingestor(ledger, self.cfg.paths.spool_dir, self.cfg.paths.dataset_dir,
-                            self.contract, self.cfg.extract.max_attempts)
+                            self.contract, self.cfg.extract.max_attempts, self.group_sync)
         try:
             while not (self.stopping and self.spool.idle):
                 name = self.spool.take(0.2)
@@ -440,7 +445,8 @@ class Daemon:
     def _step_verify(self) -> None:
         assert self.contract is not None
         if self.verify is None:
-            self.verify = VerifyRunner(self.cfg, self.state_dir / LEDGER, self.contract)
+            self.verify = VerifyRunner(self.cfg, self.state_dir / LEDGER, self.contract,
+                                       self.verify_sync)
         counts = self.ledger.counts()
         if counts.get("extracted"):
             self.verify.start()

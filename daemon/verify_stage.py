@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3d.capture import dumpformat
+from eagle3d.daemon.durability import SyncFs
 from eagle3d.statemachine import manifest
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
@@ -25,11 +26,14 @@ from eagle3d.statemachine.ledger import Ledger
 log = logging.getLogger("eagle3d")
 
 SPOT_DIR = "spotcheck"
+SYNC_RETRY_S = 30.0
 
 
 class VerifyRunner:
-    def __init__(self, cfg: Config, ledger_path: Path, contract: dict[str, Any]) -> None:
+    def __init__(self, cfg: Config, ledger_path: Path, contract: dict[str, Any],
+                 dataset_sync: SyncFs) -> None:
         self.cfg = cfg
+        self.dataset_sync = dataset_sync
         self.ledger_path = ledger_path
         self.contract = contract
         self.thread: threading.Thread | None = None
@@ -55,6 +59,11 @@ class VerifyRunner:
         try:
             samples = {s.id: s for s in ledger.iter_samples("extracted")}
             self.total, self.done, self.bytes_done, self.started = len(samples), 0, 0, time.time()
+            # Ingest does not fsync: only a file on disk may be marked verified. The sync comes
+            # after the listing, so every file listed was written before it.
+            if not self.dataset_sync.sync(ledger):
+                time.sleep(SYNC_RETRY_S)  # a failing disk is retried every 30 s, not every tick
+                return
             items = [Expected(id=s.id, path=str(self.cfg.paths.dataset_dir / s.path),
                               tokens=s.tokens, loss_tokens=s.loss_tokens, ids_hash=s.ids_hash,
                               checksum=s.checksum or "",
