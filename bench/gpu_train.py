@@ -32,7 +32,6 @@ import tempfile
 import time
 import tomllib
 import traceback
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -72,7 +71,8 @@ def ensure_eagle3d(repo: Path = REPO) -> Path | None:
 ensure_eagle3d()
 
 from eagle3d.drafter import data, vocab as vocab_mod  # noqa: E402
-from eagle3d.drafter.model import LOSS_DECAY, DraftConfig, Eagle3Drafter  # noqa: E402
+from eagle3d.drafter.model import LOSS_DECAY, DraftConfig  # noqa: E402
+from eagle3d.drafter.train import build_drafter, make_optimizer, train_step  # noqa: E402
 
 ROPE = {"rope_type": "default", "rope_theta": 500000.0}
 RMS_EPS = 1e-5
@@ -107,6 +107,11 @@ class Target:
     embed: Tensor  # [V, H]
     head: Tensor   # [V, H]
     vocab: vocab_mod.DraftVocab
+
+    @property
+    def head_rows(self) -> Tensor:
+        """The head's rows of the draft vocabulary: the teacher's head."""
+        return self.head[self.vocab.target_ids.to(self.head.device)]
 
 
 @dataclass(frozen=True)
@@ -161,45 +166,35 @@ def draft_config(shape: Shape, max_len: int) -> DraftConfig:
 
 def initial_weights(shape: Shape, target: Target, max_len: int,
                     device: torch.device) -> dict[str, Tensor]:
-    """The drafter's starting parameters, as drafter/train.py makes them (lm_head = the
-    target's head over the draft vocabulary); both trainers start from these."""
+    """The drafter's starting parameters, as drafter/train.py makes them; both trainers start
+    from these."""
     torch.manual_seed(0)
-    with torch.device(device):
-        model = Eagle3Drafter(draft_config(shape, max_len), target.embed)
-    with torch.no_grad():
-        model.lm_head.weight.copy_(target.head[target.vocab.target_ids.to(device)])
+    model, _ = build_drafter(draft_config(shape, max_len), target.embed, target.head_rows,
+                             device)
     weights = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     del model
     return weights
 
 
 class OurTrainer:
-    """drafter/train.py's training step: fp32 weights and AdamW, bf16 autocast on GPU, the
-    teacher over the draft vocabulary from the final hidden state."""
+    """drafter/train.py's model, optimizer and training step."""
 
     def __init__(self, shape: Shape, target: Target, weights: dict[str, Tensor], max_len: int,
                  lr: float, ttt: int, device: torch.device) -> None:
         self.ttt = ttt
-        with torch.device(device):
-            # train.py loads the target's tensors in float32 (drafter/target_weights.py).
-            self.model = Eagle3Drafter(draft_config(shape, max_len), target.embed.float())
+        self.model, self.teacher_head = build_drafter(draft_config(shape, max_len), target.embed,
+                                                      target.head_rows, device)
         self.model.load_state_dict(weights)
-        self.teacher_head = target.head[target.vocab.target_ids.to(device)].float()
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.0)
-        self.autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-                         else nullcontext())
+        self.optimizer = make_optimizer(self.model, lr, weight_decay=0.0)
 
     def step(self, batch: Batch) -> Tensor:
         targets = F.pad(batch.loss_mask[:, 1:].bool(), (0, 1), value=False)  # as load_batch
-        with self.autocast:
-            teacher = data.teacher_probs(batch.last, targets, self.teacher_head)
-            loss, _, _, _ = self.model(batch.input_ids, batch.aux.float(), teacher, targets,
-                                       self.ttt)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), GRAD_CLIP)
-        self.optimizer.step()
-        return loss.detach()
+        per_step, _, _ = train_step(self.model, self.optimizer, data.Batch(
+            batch.input_ids, batch.aux, batch.last, targets, batch.tokens), self.teacher_head,
+            self.ttt, GRAD_CLIP)
+        weights = LOSS_DECAY ** torch.arange(self.ttt, device=per_step.device,
+                                             dtype=torch.float32)
+        return (per_step * weights).sum()
 
 
 class SpecForgeTrainer:

@@ -82,13 +82,3 @@ def load_batch(paths: list[Path], indices: list[int], device: torch.device) -> B
     return Batch(input_ids.to(device), aux.to(device), last.to(device), targets.to(device),
                  sum(r["input_ids"].shape[0] for r in rows))
 
-
-@torch.no_grad()
-def teacher_probs(last: torch.Tensor, targets: torch.Tensor, head: torch.Tensor) -> torch.Tensor:
-    """The target's next-token distribution restricted to the draft vocabulary (`head` is the
-    target lm_head's draft-vocabulary rows), computed only where it counts, zeros elsewhere."""
-    B, T, _ = last.shape
-    probs = torch.zeros(B, T, head.shape[0], dtype=torch.float32, device=last.device)
-    logits = last[targets].to(head.dtype) @ head.T
-    probs[targets] = torch.softmax(logits.float(), dim=-1)
-    return probs

@@ -13,6 +13,7 @@ outputs), which is what the drafter sees when it drafts several tokens in a row 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,8 +21,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from eagle3d.drafter.fusion import fused_on_cuda
+from eagle3d.drafter.loss import Teacher, soft_cross_entropy
 
 KV = tuple[Tensor, Tensor]  # keys and values, [B, kv_heads, T, head_dim]
+FLEX_TILE = 128  # flex attention's block size
 LOSS_DECAY = 0.8  # TTT step k weighs LOSS_DECAY**k: later drafts matter only if earlier ones hit
 
 
@@ -70,10 +76,14 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return _rms_norm(x, self.weight, self.eps)
+
+
+@fused_on_cuda
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """In float32, returned in x's dtype (bf16 under autocast: the next matmul's input)."""
+    xf = x.float()
+    return (weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
 
 
 class Rotary(nn.Module):
@@ -94,10 +104,76 @@ class Rotary(nn.Module):
         return cos[:, None], sin[:, None]  # broadcast over heads
 
 
+@fused_on_cuda
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def dense_attention(q: Tensor, segments: list[KV], scale: float) -> Tensor:
+    """EAGLE-3 attention with materialised scores. segments[0] is the context, seen causally
+    (query i is context index Tc - T + i); segments[1:] are the drafts made earlier at each
+    query's own position, one key per query each. Returns [B, heads, T, head_dim]."""
+    (ctx_k, ctx_v), own = segments[0], segments[1:]
+    T, Tc = q.shape[2], ctx_k.shape[2]
+    rep = q.shape[1] // ctx_k.shape[1]
+    expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
+    scores = (q @ expand(ctx_k).transpose(-1, -2)) * scale
+    visible = (torch.arange(Tc, device=q.device)[None, :]
+               <= torch.arange(Tc - T, Tc, device=q.device)[:, None])
+    scores = scores.masked_fill(~visible, float("-inf"))
+    own_scores = [((q * expand(ok)).sum(-1, keepdim=True) * scale) for ok, _ in own]
+    probs = torch.softmax(torch.cat([scores, *own_scores], dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :Tc] @ expand(ctx_v)
+    for j, (_, ov) in enumerate(own):
+        out = out + probs[..., Tc + j:Tc + j + 1] * expand(ov)
+    return out
+
+
+def _ttt_mask(T: int):
+    """The same pattern over the segments laid end to end: causal in the first T keys, the
+    diagonal in every later block of T."""
+    def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return ((kv_idx < T) & (kv_idx <= q_idx)) | ((kv_idx >= T) & (kv_idx % T == q_idx))
+    return mask
+
+
+@functools.lru_cache(maxsize=256)
+def _ttt_block_mask(T: int, segments: int, device: torch.device) -> BlockMask:
+    return create_block_mask(_ttt_mask(T), None, None, T, segments * T, device=device)
+
+
+_flex = fused_on_cuda(flex_attention)  # eager on CPU: the forward only (tests)
+
+
+def flex_ttt_attention(q: Tensor, segments: list[KV], scale: float) -> Tensor:
+    """dense_attention for training, where the context is the queries' own positions, as one
+    fused kernel that skips the masked blocks: no [heads, T, T] scores, no repeated KV heads.
+    Lengths are padded to flex's tile: short sequences then take its main kernel, and every
+    length in a tile compiles to the same shapes. Real queries never see a padded key (the
+    context is causal, the drafts diagonal), so the padding changes nothing."""
+    T = q.shape[2]
+    if segments[0][0].shape[2] != T:
+        raise ValueError("flex_ttt_attention needs the context to be the queries' positions")
+    padded = -(-T // FLEX_TILE) * FLEX_TILE
+
+    def pad(t: Tensor) -> Tensor:
+        return F.pad(t, (0, 0, 0, padded - T)) if padded != T else t
+
+    keys = torch.cat([pad(k) for k, _ in segments], dim=2)
+    values = torch.cat([pad(v) for _, v in segments], dim=2)
+    out = _flex(pad(q), keys, values, scale=scale, enable_gqa=True,
+                block_mask=_ttt_block_mask(padded, len(segments), q.device))
+    return out[:, :, :T]
+
+
+def attend(q: Tensor, segments: list[KV], scale: float) -> Tensor:
+    # Flex has no CPU backward and compiles per shape: it serves training on CUDA, where the
+    # dense scores would be [heads, T, T] per TTT step; drafting and CPU runs stay dense.
+    if q.is_cuda and torch.is_grad_enabled():
+        return flex_ttt_attention(q, segments, scale)
+    return dense_attention(q, segments, scale)
 
 
 class Attention(nn.Module):
@@ -118,26 +194,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if drafts is None:  # real positions: they join the context
-            ctx_k = k if context is None else torch.cat([context[0], k], dim=2)
-            ctx_v = v if context is None else torch.cat([context[1], v], dim=2)
-            own: list[KV] = []
+            segments = [(k, v) if context is None else (torch.cat([context[0], k], dim=2),
+                                                        torch.cat([context[1], v], dim=2))]
         else:  # a draft step: the context is fixed, the chain so far is at the same position
-            ctx_k, ctx_v = context
-            own = [*drafts, (k, v)]
-        rep = self.heads // self.kv_heads
-        expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
-        scale = 1.0 / math.sqrt(self.head_dim)
-        scores = (q @ expand(ctx_k).transpose(-1, -2)) * scale
-        # Query i is context index (Tc - T + i): it sees that index and everything before it.
-        Tc = ctx_k.shape[2]
-        visible = (torch.arange(Tc, device=x.device)[None, :]
-                   <= torch.arange(Tc - T, Tc, device=x.device)[:, None])
-        scores = scores.masked_fill(~visible, float("-inf"))
-        own_scores = [((q * expand(ok)).sum(-1, keepdim=True) * scale) for ok, _ in own]
-        probs = torch.softmax(torch.cat([scores, *own_scores], dim=-1).float(), dim=-1).to(q.dtype)
-        out = probs[..., :Tc] @ expand(ctx_v)
-        for j, (_, ov) in enumerate(own):
-            out = out + probs[..., Tc + j:Tc + j + 1] * expand(ov)
+            segments = [context, *drafts, (k, v)]
+        out = attend(q, segments, 1.0 / math.sqrt(self.head_dim))
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
@@ -150,7 +211,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(_silu_mul(self.gate_proj(x), self.up_proj(x)))
+
+
+@fused_on_cuda
+def _silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):
@@ -226,26 +292,20 @@ class Eagle3Drafter(nn.Module):
             outs.append(hidden)
         return outs
 
-    def forward(self, input_ids: Tensor, aux: Tensor, teacher: Tensor, targets: Tensor,
+    def forward(self, input_ids: Tensor, aux: Tensor, teacher: Teacher,
                 steps: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Training losses. teacher [B, T, V_draft]: the target's next-token distribution at
-        each index; targets [B, T] bool: whether it counts. Step k at index t learns the
-        teacher of index t+1+k. Returns the total loss (step k weighted LOSS_DECAY**k) and, per
-        step, the mean loss, the count of argmaxes equal to the teacher's and of positions.
-        """
-        losses, correct, counted = [], [], []
-        for k, out in enumerate(self.unroll(input_ids, aux, steps)):
-            shift = 1 + k
-            where = F.pad(targets[:, shift:], (0, shift), value=False)
+        """Training losses against `teacher` (drafter/loss.py: what each step learns). Returns
+        the total loss (step k weighted LOSS_DECAY**k) and, per step, the mean loss, the count
+        of argmaxes equal to the teacher's and of positions."""
+        losses, correct = [], []
+        for out, pick in zip(self.unroll(input_ids, aux, steps), teacher.picks):
             # lm_head only where the loss counts: it is the largest matmul of the drafter.
-            chosen = self.logits(out[where]).float()
-            p = F.pad(teacher[:, shift:], (0, 0, 0, shift))[where].float()
-            n = chosen.shape[0]
-            losses.append(-(p * F.log_softmax(chosen, -1)).sum() / max(n, 1))
-            correct.append((chosen.argmax(-1) == p.argmax(-1)).sum())
-            counted.append(torch.tensor(n, device=input_ids.device))
+            logits = self.logits(out[pick.batch, pick.index])
+            losses.append(soft_cross_entropy(logits, teacher.logits, pick.rows)
+                          / max(logits.shape[0], 1))
+            correct.append((logits.argmax(-1) == teacher.top[pick.rows]).sum())
         loss_per_step = torch.stack(losses)
         weights = LOSS_DECAY ** torch.arange(steps, device=loss_per_step.device,
                                              dtype=torch.float32)
         return ((loss_per_step * weights).sum(), loss_per_step.detach(),
-                torch.stack(correct), torch.stack(counted))
+                torch.stack(correct), teacher.counts)

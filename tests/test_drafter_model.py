@@ -2,7 +2,12 @@
 
 import torch
 
-from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
+import pytest
+
+from eagle3d.drafter import loss as loss_mod
+from eagle3d.drafter.loss import soft_cross_entropy, teacher
+from eagle3d.drafter.model import (DraftConfig, Eagle3Drafter, dense_attention,
+                                   flex_ttt_attention)
 from eagle3d.drafter.vocab import from_counts
 
 TINY = DraftConfig(hidden_size=32, target_hidden_size=24, intermediate_size=64,
@@ -22,13 +27,21 @@ def test_shapes_and_loss_counts_only_masked_positions():
     outs = model.unroll(ids, aux, 3)
     assert [tuple(o.shape) for o in outs] == [(2, 12, 32)] * 3
     assert tuple(model.logits(outs[0]).shape) == (2, 12, 20)
-    teacher = torch.softmax(torch.randn(2, 12, 20), -1)
+    last, head = torch.randn(2, 12, 16), torch.randn(20, 16)
     targets = torch.zeros(2, 12, dtype=torch.bool)
     targets[0, 5] = True  # one counted teacher: index 5 is learnt by step 0 at 4, step 2 at 2
-    loss, per_step, correct, counted = model(ids, aux, teacher, targets, 3)
+    taught = teacher(last, targets, head, 3)
+    assert [(p.batch.tolist(), p.index.tolist()) for p in taught.picks] == [
+        ([0], [4]), ([0], [3]), ([0], [2])]
+    loss, per_step, correct, counted = model(ids, aux, taught, 3)
     assert counted.tolist() == [1, 1, 1]
     targets[1, 0] = True  # index 0 has no earlier index to learn it from
-    assert model(ids, aux, teacher, targets, 3)[3].tolist() == [1, 1, 1]
+    assert model(ids, aux, teacher(last, targets, head, 3), 3)[3].tolist() == [1, 1, 1]
+    loss.backward()
+    only_index_1 = torch.zeros(2, 12, dtype=torch.bool)
+    only_index_1[1, 1] = True  # only step 0 can learn it: the later steps have nothing
+    loss, _, _, counted = model(ids, aux, teacher(last, only_index_1, head, 3), 3)
+    assert counted.tolist() == [1, 0, 0]
     loss.backward()
     assert model.fc.weight.grad is not None and model.embed_tokens.grad is None
     assert "embed_tokens" not in model.state_dict()
@@ -55,6 +68,36 @@ def test_training_time_test_sees_what_chain_drafting_sees():
                                          torch.tensor([[t + k]]), context, drafts)
                 drafts.append(kv)
                 torch.testing.assert_close(feature[0, 0], outs[k][0, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("segments", [1, 2, 5])
+def test_fused_attention_equals_the_dense_one(segments):
+    """The CUDA training kernel (flex, blocks of the EAGLE-3 mask) against the dense scores,
+    with grouped KV heads and a length that is not a multiple of the kernel's block."""
+    torch.manual_seed(segments)
+    B, heads, kv_heads, T, D = 2, 4, 2, 150, 16
+    q = torch.randn(B, heads, T, D)
+    kv = [(torch.randn(B, kv_heads, T, D), torch.randn(B, kv_heads, T, D))
+          for _ in range(segments)]
+    with torch.no_grad():  # flex has no CPU backward; on CPU this runs its eager reference
+        torch.testing.assert_close(flex_ttt_attention(q, kv, D ** -0.5),
+                                   dense_attention(q, kv, D ** -0.5), atol=1e-5, rtol=1e-4)
+
+
+def test_soft_cross_entropy_and_its_gradient_equal_the_plain_formula(monkeypatch):
+    monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 3 * 50)  # 3 rows per chunk: 4 chunks
+    torch.manual_seed(0)
+    z = torch.randn(10, 50, requires_grad=True)
+    teacher_logits = torch.randn(16, 50)
+    rows = torch.tensor([0, 3, 3, 7, 8, 9, 10, 11, 14, 15])
+    fused = soft_cross_entropy(z, teacher_logits, rows)
+    (grad,) = torch.autograd.grad(fused * 2.0, z)
+    p = torch.softmax(teacher_logits[rows], -1)
+    plain = -(p * torch.log_softmax(z, -1)).sum()
+    (want,) = torch.autograd.grad(plain * 2.0, z)
+    torch.testing.assert_close(fused, plain)
+    torch.testing.assert_close(grad, want)
 
 
 def test_draft_vocab_takes_the_most_frequent_ids_as_offsets():
