@@ -90,7 +90,7 @@ class Daemon:
         self.disk_full_until = 0.0
         self.verify: VerifyRunner | None = None
         self.spot = SpotCheck(cfg, self.ledger)
-        self.training = Training(cfg, self.pid_dir)
+        self.training = Training(cfg, self.pid_dir, self.ledger)
         self._fp_cache: tuple[int, str] = (-1, "")
         self._manifest_cache: tuple[int, str | None] = (-1, None)
         self._last_state = 0.0

@@ -15,6 +15,7 @@ from typing import Any
 from eagle3d.daemon.children import Child
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.ledger import Ledger
 
 log = logging.getLogger("eagle3d")
 
@@ -43,9 +44,10 @@ def eval_argv(cfg: Config, out: Path) -> list[str]:
 
 
 class Training:
-    def __init__(self, cfg: Config, pid_dir: Path) -> None:
+    def __init__(self, cfg: Config, pid_dir: Path, ledger: Ledger) -> None:
         self.cfg = cfg
         self.pid_dir = pid_dir
+        self.ledger = ledger  # restarts, failures and the result go to its event log
         self.child: Child | None = None
         self.phase = "idle"  # idle | training | evaluating | done | failed
         self.restarts = 0
@@ -92,6 +94,7 @@ class Training:
                 # disagreed somewhere. Worth an operator's look, not a retry loop.
                 log.warning("evaluation: speculative decoding did not reproduce greedy decoding "
                             "exactly (see %s)", self.dir / EVAL)
+                self.ledger.event("eval_not_greedy", f"see {self.dir / EVAL}")
             code = 0
         if code == 0 and name == "evaluate":
             atomic_write_bytes(self.dir / DONE, json.dumps({
@@ -101,6 +104,8 @@ class Training:
                 "finished": time.time()}).encode())
             self.phase = "done"
             log.info("drafter done: acceptance length %s", result.get("acceptance_length"))
+            self.ledger.event("drafter_done",
+                              f"acceptance length {result.get('acceptance_length')}")
             return
         if code == 0:
             return  # trained and exported: the next step evaluates
@@ -110,12 +115,14 @@ class Training:
                             f"([train] max_restarts = {self.cfg.train.max_restarts}); see the log")
             self.phase = "failed"
             log.error("%s", self.failure)
+            self.ledger.event("train_failed", self.failure)
             return
         delay = min(60.0, 2.0 ** self.restarts)
         self.retry_at = time.time() + delay
-        log.warning("%s exited with code %d: restarting from its last checkpoint in %.0f s "
-                    "(restart %d of %d)", name, code, delay, self.restarts,
-                    self.cfg.train.max_restarts)
+        detail = (f"{name} exited with code {code}: restarting from its last checkpoint in "
+                  f"{delay:.0f} s (restart {self.restarts} of {self.cfg.train.max_restarts})")
+        log.warning("%s", detail)
+        self.ledger.event("train_restart", detail)
 
     def progress(self) -> dict[str, Any]:
         p = read_json(self.dir / PROGRESS) or {}

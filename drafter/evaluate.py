@@ -69,7 +69,7 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     return out
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def greedy(target: Any, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     from transformers import DynamicCache
     cache = DynamicCache()
@@ -84,7 +84,7 @@ def greedy(target: Any, prompt: list[int], max_new: int, eos: set[int]) -> list[
     return tokens
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab: DraftVocab,
                 prompt: list[int], k: int, max_new: int, eos: set[int]) -> Decoded:
     """Greedy chain speculative decoding of one prompt (batch of one)."""

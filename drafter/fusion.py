@@ -4,8 +4,8 @@ On a GPU the drafter's norms, rotations, activations and loss are memory-bound: 
 several kernels with float32 temporaries, and autograd keeps those temporaries for the backward.
 Compiled, each is one or two kernels and the backward recomputes what it needs from the inputs.
 Only these small functions are compiled, never one that multiplies by a weight: inside a
-compiled graph autocast would cast the float32 weights to bf16 again at every TTT step and keep every
-copy for the backward, where eager autocast casts each weight once per training step.
+compiled graph autocast would cast the float32 weights to bf16 again at every TTT step and keep
+every copy for the backward, where eager autocast casts each weight once per training step.
 On CPU (the demo, the tests) compiling would cost more than it saves.
 """
 
@@ -20,12 +20,14 @@ F = TypeVar("F", bound=Callable)
 
 
 def fused_on_cuda(fn: F) -> F:
-    """`fn`, compiled when its first argument is a CUDA tensor (once per shape family). The
-    compiler is only imported then: CPU processes never pay for it."""
+    """`fn`, compiled when its first argument is a CUDA tensor (once per shape family), except
+    in inference mode: drafting (evaluation) changes shapes with every accepted chain and has no
+    backward to save memory for. The compiler is only imported when first used: CPU processes
+    never pay for it."""
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args, **kwargs):
-        if not x.is_cuda:
+        if not x.is_cuda or torch.is_inference_mode_enabled():
             return fn(x, *args, **kwargs)
         if run.compiled is None:
             run.compiled = torch.compile(fn)

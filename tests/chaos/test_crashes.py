@@ -19,6 +19,7 @@ import pytest
 
 from eagle3d.daemon import control
 from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.conftest import SCALE, SEED
 from tests.chaos.harness import (audit, chaos_config, counts, describe, end, kill9,
                                  orphans_after_kill, progress, rank_processes, state, until)
@@ -130,6 +131,10 @@ class Campaign:
         self.checkpoint_disk_full(d, train_fs)
         code = d.wait(900)
         assert code == 0, f"the last life failed:\n{d.output()[-4000:]}"
+        with Ledger(self.cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+            kinds = [kind for _, kind, _, _ in ledger.recent_events(100_000)]
+        # The operator's history (`eagle3ctl events`) tells of both trainer failures and the end.
+        assert kinds.count("train_restart") >= 2 and "drafter_done" in kinds, kinds[-20:]
         return d
 
     def rank_killed(self, d: DaemonProcess) -> None:
