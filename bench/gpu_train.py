@@ -3,8 +3,8 @@
 A Llama-3.1-8B-sized draft (hidden 4096, intermediate 14336, 32/8 heads, draft vocabulary 32,000
 of 128,256, TTT 7, batch 1, bf16) trains on the same random batches, from the same initial
 weights, with the same draft vocabulary, learning rate and gradient clipping, twice in one
-process: with our trainer (drafter/model.py driven as drafter/train.py drives it) and with
-SpecForge's (`LlamaForCausalLMEagle3` with flex attention, `OnlineEagle3Model`, `TargetHead`,
+process: with our trainer (drafter/train.py's build_drafter, make_optimizer and train_step) and
+with SpecForge's (`LlamaForCausalLMEagle3` with flex attention, `OnlineEagle3Model`, `TargetHead`,
 `Eagle3TrainStrategy.forward_loss` and `BF16Optimizer`, one GPU, no FSDP). Every run is built
 anew, warmed up, then timed; runs alternate ours/theirs in ABBA order so both share the noise.
 Judged by, per sequence length,
