@@ -11,6 +11,13 @@ The kernel reports a write-back error once to each open handle on the file syste
 handle's next syncfs, including an error its own flusher met first. So each user keeps one handle
 open from the daemon's start, before anything is written: a handle opened per call would miss
 those errors.
+
+A failed write-back usually leaves its pages in the page cache, clean, still holding the good
+bytes: a re-read after the next (successful) syncfs would see them and vouch for a file the disk
+does not hold. So when the ledger gives reason to doubt the cache, verify evicts each file's pages
+before reading it, and the checksum is computed over what the disk holds. The reasons: a failed
+syncfs, or a daemon life that ended without a clean stop (its handles may have heard of an error
+it never recorded, and handles opened later are not told of an error someone already saw).
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ log = logging.getLogger("eagle3d")
 
 EVERY_BYTES = 1 << 30
 EVERY_S = 30.0
+TRUSTED_UPTO = "verify.cache_trusted_upto"  # meta: the last event weighed by a finished pass
+LIFE_EVENTS = ("daemon_started", "daemon_stopped")  # written by reconcile.py
 
 _libc = ctypes.CDLL(None, use_errno=True)  # Python's os module has no syncfs
 
@@ -91,3 +100,47 @@ class GroupSync:
             self.unsynced, self.last = 0, time.monotonic()
             self.syncs += 1
         return self.handle.sync(ledger)
+
+
+def page_cache_doubt(ledger: Ledger) -> tuple[str | None, int]:
+    """Why verify must read from the disk this pass (None: the page cache can be trusted), and
+    the last ledger event weighed, to hand to `doubt_settled` once the pass has read every file.
+
+    Only events since the last settled pass are weighed, by their sequence number (the primary
+    key): the events table grows with every sample, and this runs at every pass."""
+    since = int(ledger.meta(TRUSTED_UPTO) or 0)
+    upto = ledger.db.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+    rows = ledger.db.execute(
+        "SELECT seq, kind, detail FROM events WHERE seq > ? AND seq <= ? AND kind IN (?, ?, ?) "
+        "ORDER BY seq", (since, upto, "syncfs_failed", *LIFE_EVENTS)).fetchall()
+    failed = [detail for _, kind, detail in rows if kind == "syncfs_failed"]
+    if failed:
+        return (f"{len(failed)} dataset sync(s) failed since the last pass that read from the "
+                f"disk (last: {failed[-1]})"), upto
+    crashed = _unclean_stop(ledger, [row for row in rows if row[1] in LIFE_EVENTS])
+    if crashed:
+        return (f"the daemon life that started with {crashed} ended without a clean stop, so "
+                "a write-back error it met may never have been reported"), upto
+    return None, upto
+
+
+def _unclean_stop(ledger: Ledger, lives: list[tuple[int, str, str]]) -> str | None:
+    """The detail ("pid N") of a daemon start followed by another start with no stop between;
+    `lives` are the life events to weigh, in order."""
+    if not any(kind == "daemon_started" for _, kind, _ in lives):
+        return None
+    # The life before the first start weighed: its stop, when clean, is just before that start.
+    before = ledger.db.execute(
+        "SELECT seq, kind, detail FROM events WHERE seq < ? AND kind IN (?, ?) "
+        "ORDER BY seq DESC LIMIT 1", (lives[0][0], *LIFE_EVENTS)).fetchone()
+    chain = ([before] if before else []) + lives
+    for (_, kind, detail), (_, then, _) in zip(chain, chain[1:]):
+        if kind == then == "daemon_started":
+            return detail
+    return None
+
+
+def doubt_settled(ledger: Ledger, upto: int) -> None:
+    """A verify pass read every file it listed from the disk (or had no doubt): the events up to
+    `upto` need not be weighed again."""
+    ledger.set_meta(TRUSTED_UPTO, str(upto))

@@ -63,8 +63,9 @@ def stat_key(st: os.stat_result) -> str:
     return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
-def check_file(e: Expected) -> tuple[str | None, str | None]:
-    """Check one dataset file against its expectation: (problem or None, stat key or None)."""
+def check_file(e: Expected, from_disk: bool = False) -> tuple[str | None, str | None]:
+    """Check one dataset file against its expectation: (problem or None, stat key or None).
+    `from_disk` reads what the disk holds, not what the page cache holds (see durability.py)."""
     try:
         fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -77,6 +78,10 @@ def check_file(e: Expected) -> tuple[str | None, str | None]:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             return "not a regular file", stat_key(st)
+        if from_disk:
+            # Clean pages are evicted (the pass synced first, so all of these are clean), and
+            # with them the good bytes a failed write-back left in the cache.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         try:
             return _FileCheck(fd, st.st_size, e).run(), stat_key(st)
@@ -248,15 +253,15 @@ class _TensorScan:
         return None
 
 
-def _check_one(e: Expected) -> tuple[str, str | None, str | None]:
-    problem, key = check_file(e)
+def _check_one(e: Expected, from_disk: bool) -> tuple[str, str | None, str | None]:
+    problem, key = check_file(e, from_disk)
     return e.id, problem, key
 
 
-def verify_many(items: Iterable[Expected], workers: int
+def verify_many(items: Iterable[Expected], workers: int, from_disk: bool = False
                 ) -> Iterator[tuple[str, str | None, str | None]]:
     """Check many files in parallel; yields (id, problem, stat key) as each completes. Reads
-    `items` lazily, keeping a few files per worker in flight."""
+    `items` lazily, keeping a few files per worker in flight. `from_disk`: see `check_file`."""
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify")
     pending: set[Future] = set()
     try:
@@ -264,7 +269,7 @@ def verify_many(items: Iterable[Expected], workers: int
             if len(pending) >= 4 * workers:
                 done, pending = wait(pending, return_when=FIRST_COMPLETED)
                 yield from (f.result() for f in done)
-            pending.add(pool.submit(_check_one, e))
+            pending.add(pool.submit(_check_one, e, from_disk))
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
             yield from (f.result() for f in done)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3d.capture import dumpformat
-from eagle3d.daemon.durability import SyncFs
+from eagle3d.daemon.durability import SyncFs, doubt_settled, page_cache_doubt
 from eagle3d.statemachine import manifest
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
@@ -57,6 +57,8 @@ class VerifyRunner:
         from eagle3d.daemon.verify import Expected, verify_many  # numpy: only when verifying
         ledger = Ledger(self.ledger_path)
         try:
+            # Weighed before the listing: a reason recorded later is weighed again next pass.
+            doubt, weighed_upto = page_cache_doubt(ledger)
             samples = {s.id: s for s in ledger.iter_samples("extracted")}
             self.total, self.done, self.bytes_done, self.started = len(samples), 0, 0, time.time()
             # Ingest does not fsync: only a file on disk may be marked verified. The sync comes
@@ -64,6 +66,9 @@ class VerifyRunner:
             if not self.dataset_sync.sync(ledger):
                 time.sleep(SYNC_RETRY_S)  # a failing disk is retried every 30 s, not every tick
                 return
+            if doubt:
+                log.warning("verify reads %d files from the disk, not the page cache: %s",
+                            len(samples), doubt)
             items = [Expected(id=s.id, path=str(self.cfg.paths.dataset_dir / s.path),
                               tokens=s.tokens, loss_tokens=s.loss_tokens, ids_hash=s.ids_hash,
                               checksum=s.checksum or "",
@@ -71,23 +76,34 @@ class VerifyRunner:
                               hidden_size=self.contract["hidden_size"],
                               dtype=self.contract["dtype"])
                      for s in samples.values()]
-            for sid, problem, stat_key in verify_many(items, self.cfg.verify.workers):
+            for sid, problem, stat_key in verify_many(items, self.cfg.verify.workers,
+                                                      from_disk=doubt is not None):
                 s = samples[sid]
                 if problem is None:
                     ledger.mark_verified(sid, stat_key or "")
                 else:
                     self.failures += 1
                     log.warning("verify: sample %s failed: %s", sid, problem)
-                    (self.cfg.paths.dataset_dir / s.path).unlink(missing_ok=True)
+                    self._remove(s.path)
                     ledger.mark_retry(sid, f"verify: {problem}", self.cfg.extract.max_attempts,
                                       frm=("extracted",))
                 self.done += 1
                 self.bytes_done += s.bytes
+            doubt_settled(ledger, weighed_upto)
         except Exception:  # a crash here must show in status, not kill the daemon
             log.exception("verify pass failed")
             ledger.event("verify_error", "the verify pass crashed; it will be retried")
         finally:
             ledger.close()
+
+    def _remove(self, path: str) -> None:
+        """Remove a failed sample's file. A file system that met write-back errors is often
+        read-only by now (ext4 aborts its journal): the sample still goes back for extraction,
+        and the next start removes the file (ingest.remove_dataset_debris)."""
+        try:
+            (self.cfg.paths.dataset_dir / path).unlink(missing_ok=True)
+        except OSError as exc:
+            log.warning("verify: cannot remove the failed file %s: %s", path, exc.strerror)
 
     def rate(self) -> float:
         elapsed = time.time() - self.started
