@@ -1,12 +1,12 @@
 """The EAGLE-3 training loss: the target's next-token distribution as the teacher, and a soft
-cross-entropy that never holds more than one chunk of float32 probabilities.
+cross-entropy that keeps no float32 [rows, V] tensor for the backward.
 
 The teacher is kept as the target's logits over the draft vocabulary, only at the indices that
 count (loss-masked next tokens), computed once per batch and shared by every TTT step; each
-step picks the rows it learns and turns them into probabilities chunk by chunk, in the forward
-and again in the backward. A plain `-(p * log_softmax(z)).sum()` keeps two float32 [rows, V]
-tensors alive per step for the backward, which at T = 4096 and V = 32,000 is 1 GB per step.
-"""
+step picks the rows it learns and turns them into probabilities in the forward and again in the
+backward: inside fused kernels on CUDA, chunk by chunk on CPU. A plain
+`-(p * log_softmax(z)).sum()` keeps two float32 [rows, V] tensors alive per step for the
+backward, which at T = 4096 and V = 32,000 is 1 GB per step."""
 
 from __future__ import annotations
 
