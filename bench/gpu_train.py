@@ -189,12 +189,10 @@ class OurTrainer:
 
     def step(self, batch: Batch) -> Tensor:
         targets = F.pad(batch.loss_mask[:, 1:].bool(), (0, 1), value=False)  # as load_batch
-        per_step, _, _ = train_step(self.model, self.optimizer, data.Batch(
+        loss, _, _, _ = train_step(self.model, self.optimizer, data.Batch(
             batch.input_ids, batch.aux, batch.last, targets, batch.tokens), self.teacher_head,
             self.ttt, GRAD_CLIP)
-        weights = LOSS_DECAY ** torch.arange(self.ttt, device=per_step.device,
-                                             dtype=torch.float32)
-        return (per_step * weights).sum()
+        return loss
 
 
 class SpecForgeTrainer:

@@ -54,7 +54,9 @@ def teacher(last: Tensor, targets: Tensor, head: Tensor, steps: int) -> Teacher:
 
 def _rows_per_chunk(logits: Tensor) -> int:
     # Compiled (CUDA), the kernels keep no float32 temporaries: all rows at once.
-    return logits.shape[0] or 1 if logits.is_cuda else max(1, CHUNK_ELEMENTS // logits.shape[-1])
+    if logits.is_cuda:
+        return max(1, logits.shape[0])
+    return max(1, CHUNK_ELEMENTS // logits.shape[-1])
 
 
 @fused_on_cuda

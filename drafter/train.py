@@ -208,10 +208,11 @@ def make_optimizer(model: torch.nn.Module, lr: float,
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: data.Batch,
                teacher_head: torch.Tensor, ttt_steps: int,
-               grad_clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               grad_clip: float
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One optimizer step on one batch (bf16 autocast on GPU; on CPU it measured no faster,
-    and float32 keeps resumes exact). Returns, per TTT step, the mean loss, the count of
-    argmaxes equal to the teacher's and of positions."""
+    and float32 keeps resumes exact). Returns the weighted total loss and, per TTT step, the
+    mean loss, the count of argmaxes equal to the teacher's and of positions."""
     cuda = batch.input_ids.is_cuda
     with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
         teacher = loss_mod.teacher(batch.last, batch.targets, teacher_head, ttt_steps)
@@ -222,7 +223,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     if grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
-    return per_step, correct, counted
+    return loss.detach(), per_step, correct, counted
 
 
 def truncate_metrics(path: Path, step: int) -> None:
@@ -318,8 +319,8 @@ def train(cfg: Config, rt: Runtime) -> int:
     while step < total:
         tick = time.monotonic()
         batch = data.load_batch(paths, plans[epoch][pos], rt.device)
-        per_step, correct, counted = train_step(ddp, optimizer, batch, teacher_head,
-                                                cfg.train.ttt_steps, cfg.train.grad_clip)
+        _, per_step, correct, counted = train_step(ddp, optimizer, batch, teacher_head,
+                                                   cfg.train.ttt_steps, cfg.train.grad_clip)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         step, pos = step + 1, pos + 1
