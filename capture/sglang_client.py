@@ -11,12 +11,24 @@ from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Sequence
+
+from eagle3d.capture.sglang_plugin import HANDSHAKE_FILE, handshake_problem, read_handshake
 
 REQUEST_TIMEOUT_S = 3600.0  # a prefill queued behind many others; the daemon has its own timeout
+# SGLang's /health can run a one-token generation (the launcher turns that off, an operator's
+# server may not) and waits up to 20 s for it (SGLANG_HEALTH_CHECK_TIMEOUT): wait longer.
+HEALTH_TIMEOUT_S = 30.0
+HEALTH_EVERY_S = 2.0
+# The plugin writes its ready file while the model loads, before /health answers 200: once the
+# server is up, a missing one means the plugin was not loaded or failed (SGLang goes on without it).
+HANDSHAKE_GRACE_S = 30.0
 
 
 class SGLangClient:
@@ -85,3 +97,53 @@ class SGLangClient:
 
     def _error(self, sid: str, message: str) -> None:
         self._events.put({"event": "error", "ids": [sid], "error": message})
+
+
+class Startup:
+    """Watches a starting server on a thread of its own, so no caller waits on a slow /health.
+    `state` becomes "ready" once /health answers 200 and the capture plugin's ready file for this
+    start shows the capture asked for, or "failed" with `problem` saying why; a server that exits
+    leaves it "starting" (its exit status says more)."""
+
+    def __init__(self, client: SGLangClient, spool: Path, token: str, contract: str,
+                 layer_ids: Sequence[int], tp: int, timeout_s: float,
+                 exited: Callable[[], bool]) -> None:
+        self.state = "starting"
+        self.problem: str | None = None
+        self.info: dict | None = None
+        self._args = (client, Path(spool), token, contract, list(layer_ids), tp, timeout_s, exited)
+        self._stop = threading.Event()
+        threading.Thread(target=self._run, daemon=True, name="sglang-startup").start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        client, spool, token, contract, layer_ids, tp, timeout_s, exited = self._args
+        deadline = time.monotonic() + timeout_s
+        while not client.healthy(HEALTH_TIMEOUT_S):
+            if self._stop.is_set() or exited():
+                return
+            if time.monotonic() > deadline:
+                return self._fail(f"SGLang did not answer /health with 200 within {timeout_s:.0f} s")
+            self._stop.wait(HEALTH_EVERY_S)
+        grace = time.monotonic() + HANDSHAKE_GRACE_S
+        while (found := read_handshake(spool, token)) is None:
+            if self._stop.is_set() or exited():
+                return
+            if time.monotonic() > grace:
+                return self._fail(
+                    "SGLang is up but eagle3d's capture plugin did not report ready (no "
+                    f"{spool / HANDSHAKE_FILE} from this start): it was not loaded or "
+                    "it failed, and SGLang serves on without it; look for 'eagle3d' in the "
+                    "server's log")
+            self._stop.wait(0.5)
+        problem = handshake_problem(found, contract, layer_ids, tp)
+        if problem:
+            return self._fail(f"eagle3d's capture plugin is loaded but wrong: {problem}")
+        self.info = found
+        self.state = "ready"
+
+    def _fail(self, problem: str) -> None:
+        self.problem = problem
+        self.state = "failed"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import subprocess
 from typing import Any
@@ -41,8 +42,14 @@ RESERVED = ("--model-path", "--model", "--tp-size", "--tensor-parallel-size", "-
             "--disable-radix-cache", "--chunked-prefill-size", "--cuda-graph-backend-prefill",
             "--cuda-graph-backend-decode", "--disable-cuda-graph", "--enable-piecewise-cuda-graph",
             "--enforce-piecewise-cuda-graph", "--enable-mixed-chunk", "--enable-dp-attention",
-            "--attn-dp-size", "--pp-size", "--pipeline-parallel-size",
-            "--enable-two-batch-overlap", "--skip-server-warmup")
+            "--attn-dp-size", "--attention-data-parallel-size", "--enable-prefill-cp",
+            "--attn-cp-size", "--attention-context-parallel-size", "--enable-layernorm-sp",
+            "--enable-attn-tp-input-scattered", "--enable-return-aux-hidden-states",
+            "--return-aux-hidden-state-layer-ids", "--cuda-graph-config", "--pp-size",
+            "--pipeline-parallel-size", "--enable-two-batch-overlap", "--skip-server-warmup")
+# SGLang's /health runs a one-token generation by default, which takes a second or more and
+# competes with the daemon's prefills; off, it answers 200 as soon as the server is up.
+SERVER_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0", "PYTHONUNBUFFERED": "1"}
 
 
 def _reserved_flag(arg: str) -> str | None:
@@ -53,7 +60,8 @@ def _reserved_flag(arg: str) -> str | None:
 
 
 def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and the environment to add to the daemon's for it."""
+    """The server's argv and the environment to add to the daemon's for it. The environment
+    carries a new start token each call: the ready file of this start carries it back."""
     for arg in cfg.sglang.extra_args:
         flag = _reserved_flag(arg)
         if flag:
@@ -71,13 +79,13 @@ def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], di
             *CAPTURE_FLAGS, *cfg.sglang.extra_args]
     settings = CaptureSettings(spool=cfg.paths.spool_dir, contract=contract["fingerprint"],
                                layer_ids=tuple(contract["layer_ids"]),
-                               ledger=cfg.paths.state_dir / LEDGER_FILE)
-    env = settings.to_env()
+                               ledger=cfg.paths.state_dir / LEDGER_FILE,
+                               token=secrets.token_hex(8))
+    env = {**settings.to_env(), **SERVER_ENV}
     allowed = os.environ.get("SGLANG_PLUGINS", "")
     if allowed.strip():
         # SGLang loads only the plugins this names when it is set.
         env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
-    env["PYTHONUNBUFFERED"] = "1"
     return argv, env
 
 

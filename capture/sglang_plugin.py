@@ -10,7 +10,8 @@ the same full hidden states, and rank 0 alone writes.
 
 The part that touches SGLang is the last section of this module and is as thin as possible;
 everything above it is plain torch and tested here. Written against the source of sglang 0.5.14
-and 0.5.23 (names cited where used); supported range in capture/sglang_launcher.py.
+and 0.5.23 (names cited where used), run inside 0.5.17; supported range in
+capture/sglang_launcher.py.
 
 The dump's loss mask is not known inside SGLang (a request carries token ids only), so the writer
 reads it, with the planned token count, from the ledger's plan (read-only). That lookup also
@@ -19,6 +20,7 @@ tells our requests from others (SGLang's warm-up and health checks use their own
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -36,6 +38,10 @@ ENV_SPOOL = "EAGLE3D_SPOOL"          # folder the dumps go to
 ENV_CONTRACT = "EAGLE3D_CONTRACT"    # the capture contract's fingerprint, stamped on every dump
 ENV_LAYER_IDS = "EAGLE3D_LAYER_IDS"  # the contract's layer ids, in the contract's convention
 ENV_LEDGER = "EAGLE3D_LEDGER"        # the ledger, for each sample's loss mask
+ENV_TOKEN = "EAGLE3D_START_TOKEN"    # names one server start: a ready file from an older one is stale
+# Rank 0 writes this into the spool once capture is set up; the daemon declares the engine ready
+# only after reading it. A dot name: the daemon's spool scan skips it.
+HANDSHAKE_FILE = ".eagle3d-sglang-ready.json"
 PLUGIN_NAME = "eagle3d_capture"      # the entry point's name (pyproject.toml)
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 
@@ -61,6 +67,7 @@ class CaptureSettings:
     contract: str
     layer_ids: tuple[int, ...]
     ledger: Path
+    token: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> CaptureSettings | None:
@@ -76,11 +83,13 @@ class CaptureSettings:
         except ValueError:
             raise CaptureError(f"{ENV_LAYER_IDS}={env[ENV_LAYER_IDS]!r} is not a comma-separated "
                                "list of layer ids") from None
-        return cls(Path(env[ENV_SPOOL]), env[ENV_CONTRACT], ids, Path(env[ENV_LEDGER]))
+        return cls(Path(env[ENV_SPOOL]), env[ENV_CONTRACT], ids, Path(env[ENV_LEDGER]),
+                   env.get(ENV_TOKEN, ""))
 
     def to_env(self) -> dict[str, str]:
         return {ENV_SPOOL: str(self.spool), ENV_CONTRACT: self.contract,
-                ENV_LAYER_IDS: ",".join(map(str, self.layer_ids)), ENV_LEDGER: str(self.ledger)}
+                ENV_LAYER_IDS: ",".join(map(str, self.layer_ids)), ENV_LEDGER: str(self.ledger),
+                ENV_TOKEN: self.token}
 
 
 # ---- pure: one forward batch → per-request slices ----------------------------------------------
@@ -100,7 +109,7 @@ def _ints(values: Any) -> list[int]:
 
 def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend_start_loc: Any,
                        extend_seq_lens: Any, input_ids: Any, aux_hidden: Any, last_hidden: Any,
-                       extend_prefix_lens: Any = None) -> list[RequestSlice]:
+                       extend_prefix_lens: Any) -> list[RequestSlice]:
     """Cut one forward batch into its requests. SGLang lays an EXTEND batch out as the requests'
     new tokens end to end: request i owns rows [extend_start_loc[i], + extend_seq_lens[i]) of
     `input_ids` and of every hidden state (rows past the last request are padding). `aux_hidden`
@@ -115,7 +124,7 @@ def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend
     if isinstance(aux_hidden, (list, tuple)):
         aux_hidden = torch.cat(list(aux_hidden), dim=-1)
     starts, lens = _ints(extend_start_loc), _ints(extend_seq_lens)
-    prefixes = _ints(extend_prefix_lens) if extend_prefix_lens is not None else [0] * len(lens)
+    prefixes = _ints(extend_prefix_lens)
     if not len(rids) == len(starts) == len(lens) == len(prefixes):
         raise CaptureError(f"batch fields disagree: {len(rids)} request ids, {len(starts)} start "
                            f"locations, {len(lens)} lengths, {len(prefixes)} prefix lengths")
@@ -220,9 +229,10 @@ class DumpWriter:
 class Capture:
     """What the writing rank does with each forward batch."""
 
-    def __init__(self, writer: DumpWriter, num_layers: int) -> None:
+    def __init__(self, writer: DumpWriter, num_layers: int, radix_cache_off: bool) -> None:
         self.writer = writer
         self.num_layers = num_layers
+        self.radix_cache_off = radix_cache_off
 
     def on_forward(self, forward_mode_is_extend: bool, rids: Sequence[str] | None,
                    extend_start_loc: Any, extend_seq_lens: Any, extend_prefix_lens: Any,
@@ -232,6 +242,14 @@ class Capture:
             return 0
         if not any(dumpformat.SAMPLE_ID.fullmatch(r or "") for r in rids):
             return 0  # health checks and warm-up: nothing to copy off the GPU
+        if extend_prefix_lens is None:
+            # SGLang leaves extend_prefix_lens_cpu unset on some paths (GPU-only batches). Zero
+            # cached tokens is then known only because the radix cache is off, nothing else.
+            if not self.radix_cache_off:
+                raise CaptureError("SGLang gave no prefix lengths (extend_prefix_lens_cpu is None) "
+                                   "and the radix cache is on: a request that reused a cached "
+                                   "prefix would be dumped without it")
+            extend_prefix_lens = [0] * len(rids)
         if isinstance(aux_hidden, (list, tuple)) and len(aux_hidden) != self.num_layers:
             raise CaptureError(f"the model captured {len(aux_hidden)} layers, the contract "
                                f"names {self.num_layers}")
@@ -265,16 +283,148 @@ def _to_cpu(aux_hidden: Any) -> Any:
     return aux_hidden.to("cpu")
 
 
+# ---- what the server must be for capture to be correct -----------------------------------------
+
+def configuration_problems(server_args: Any, attn_dp_size: int) -> list[str]:
+    """What in a server's resolved arguments (SGLang's ServerArgs, after its own overrides, which
+    can switch features on behind the command line) the plugin cannot capture correctly; empty
+    when none. Read with defaults: a field an SGLang version lacks is a feature it lacks."""
+    def arg(name: str, default: Any = None) -> Any:
+        return getattr(server_args, name, default)
+    problems = []
+    if attn_dp_size != 1 or arg("enable_dp_attention", False):
+        problems.append(f"attention data parallelism (attention-DP size {attn_dp_size}): each "
+                        "DP group schedules its own batches, and rank 0 would dump only its own")
+    if (arg("attn_cp_size", 1) or 1) > 1 or arg("enable_prefill_cp", False) \
+            or arg("enable_prefill_context_parallel", False):
+        problems.append("attention context parallelism: a prompt's rows are split over ranks")
+    if arg("enable_layernorm_sp", False):
+        problems.append("sequence-parallel norms: rows reach the logits processor sharded")
+    if arg("enable_attn_tp_input_scattered", False):
+        problems.append("scattered attention-TP inputs: rows reach the logits processor sharded")
+    if not arg("disable_radix_cache", False):
+        problems.append("the radix cache is on: a request with a cached prefix is prefilled "
+                        "only past it")
+    if (arg("chunked_prefill_size", -1) or -1) > 0 or arg("enable_mixed_chunk", False):
+        problems.append("chunked prefill: a prompt would be split over several forwards")
+    prefill_graphs = getattr(getattr(arg("cuda_graph_config"), "prefill", None), "backend",
+                             "disabled")
+    if str(prefill_graphs) != "disabled":
+        problems.append(f"prefill CUDA graphs ({prefill_graphs}): a replay bypasses the hook")
+    if (arg("pp_size", 1) or 1) > 1:
+        problems.append("pipeline parallelism: the writing rank holds no final hidden states")
+    if arg("speculative_algorithm"):
+        problems.append("speculative decoding: the target runs verify forwards, not prefills")
+    if arg("enable_two_batch_overlap", False):
+        problems.append("two-batch overlap: a batch reaches the hook in halves")
+    if arg("enable_return_aux_hidden_states", False) or arg("return_aux_hidden_state_layer_ids"):
+        problems.append("aux hidden states returned to clients: SGLang sets its own capture "
+                        "layers, over the plugin's")
+    return problems
+
+
+def captured_layers(model: Any) -> list[int]:
+    """The layers whose input the model captures, read back from SGLang's model, in our
+    convention (SGLang's `layers_to_capture` holds exactly that)."""
+    inner = getattr(model, "language_model", None) or model  # Kimi-K2.5 wraps a DeepSeek-V3
+    return list(inner.model.layers_to_capture)
+
+
+def model_name(model: Any) -> str:
+    return type(model).__name__
+
+
+def switch_capture_on(model: Any, layer_ids: Sequence[int]) -> None:
+    """Tell the model which layers to capture, as SGLang's own EAGLE-3 path does for a
+    speculative target, and read them back: a mismatch stops the server."""
+    names = [c.__name__ for c in type(model).__mro__]
+    arch = layers.known_architecture(names)
+    if arch is None:
+        raise CaptureError(f"eagle3d capture: no known layer-id convention for {names[0]}")
+    model.set_eagle3_layers_to_capture(layers.sglang_layer_ids(list(layer_ids), arch))
+    check_layers(model, layer_ids)
+
+
+def check_layers(model: Any, layer_ids: Sequence[int]) -> None:
+    captured = captured_layers(model)
+    if captured != list(layer_ids):
+        raise CaptureError(f"eagle3d capture: {model_name(model)} captures the inputs of layers "
+                           f"{captured}, the contract names {list(layer_ids)}")
+
+
+# ---- the handshake: the daemon's proof that capture is on --------------------------------------
+
+def write_handshake(settings: CaptureSettings, info: dict[str, Any]) -> Path:
+    path = settings.spool / HANDSHAKE_FILE
+    tmp = settings.spool / f"{HANDSHAKE_FILE}.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps({**info, "token": settings.token, "contract": settings.contract}))
+    os.replace(tmp, path)
+    return path
+
+
+def read_handshake(spool: Path, token: str) -> dict[str, Any] | None:
+    """The ready file of the server started with `token`; None while there is none (a file left
+    by an earlier start carries another token)."""
+    try:
+        found = json.loads((Path(spool) / HANDSHAKE_FILE).read_text())
+    except (FileNotFoundError, ValueError):  # absent, or caught between write and rename
+        return None
+    return found if isinstance(found, dict) and found.get("token") == token else None
+
+
+def handshake_problem(found: dict[str, Any], contract: str, layer_ids: Sequence[int],
+                      tp: int) -> str | None:
+    """Why a ready file does not show the capture the daemon asked for; None when it does."""
+    if found.get("contract") != contract:
+        return f"the plugin captures for contract {found.get('contract')}, not {contract}"
+    if found.get("layers") != list(layer_ids):
+        return (f"the plugin read back capture layers {found.get('layers')}, the contract names "
+                f"{list(layer_ids)}")
+    if found.get("tp_size") != tp or found.get("attn_dp_size") != 1:
+        return (f"the server runs tp={found.get('tp_size')}, attention-DP "
+                f"{found.get('attn_dp_size')}; eagle3d asked for tp={tp} and no attention-DP")
+    return None
+
+
+def prepare(settings: CaptureSettings, model: Any, server_args: Any, tp_rank: int,
+            attn_dp_size: int, sglang_version: str) -> Capture | None:
+    """What the load-model hook does, given what SGLang tells it: refuse a configuration the
+    plugin cannot capture, switch capture on and read it back, and on rank 0 start the writer and
+    write the ready file. Raises CaptureError, which stops SGLang's scheduler and so the server."""
+    problems = configuration_problems(server_args, attn_dp_size)
+    if problems:
+        raise CaptureError("eagle3d capture cannot run in this SGLang configuration: "
+                           + "; ".join(problems))
+    switch_capture_on(model, settings.layer_ids)
+    if tp_rank != 0:
+        return None  # every rank holds the same full hidden states: rank 0 writes them
+    settings.spool.mkdir(parents=True, exist_ok=True)
+    writer = DumpWriter(settings.spool, settings.contract, ledger_loss_masks(settings.ledger))
+    capture = Capture(writer, len(settings.layer_ids),
+                      radix_cache_off=bool(getattr(server_args, "disable_radix_cache", False)))
+    write_handshake(settings, {
+        "pid": os.getpid(), "sglang": sglang_version, "model": model_name(model),
+        "layers": captured_layers(model), "tp_size": getattr(server_args, "tp_size", None),
+        "pp_size": getattr(server_args, "pp_size", 1), "attn_dp_size": attn_dp_size,
+        "attn_cp_size": getattr(server_args, "attn_cp_size", 1)})
+    log.info("eagle3d capture: %s, layers %s, dumps to %s", model_name(model),
+             list(settings.layer_ids), settings.spool)
+    return capture
+
+
 # ---- the SGLang glue ---------------------------------------------------------------------------
-# Not run here (no GPU, no SGLang): docs/sglang.md says what was read and what the smoke test runs.
+# Run inside SGLang 0.5.17 on an H200 (docs/sglang.md); here only through the functions above.
 
 _capture: Capture | None = None
 _settings: CaptureSettings | None = None
+_model: Any = None          # the target model, for the re-read of its capture layers
+_layers_rechecked = False
 
 
 def register() -> None:
     """The entry point SGLang's `load_plugins()` (sglang/srt/plugins/__init__.py) calls in each
-    of its processes; the hooks take effect in the scheduler processes, which run the model."""
+    of its processes; the hooks take effect in the scheduler processes, which run the model.
+    SGLang logs and swallows what fails here: the missing ready file is what makes it loud."""
     global _settings
     _settings = CaptureSettings.from_env(os.environ)
     if _settings is None:
@@ -285,41 +435,33 @@ def register() -> None:
 
 
 def _after_load_model(result: Any, model_runner: Any, *args: Any, **kwargs: Any) -> None:
-    """After ModelRunner.load_model (model_executor/model_runner.py): switch the target's aux
-    capture on, as SGLang's own EAGLE-3 path does for a speculative target, and read back what
-    the model will capture: a mismatch stops the server instead of writing wrong layers."""
-    global _capture
+    """After ModelRunner.load_model (model_executor/model_runner.py); an exception here stops
+    the scheduler, so the server does not come up."""
+    global _capture, _model
     assert _settings is not None
     if getattr(model_runner, "is_draft_worker", False):
         return
-    model = model_runner.model
-    names = [c.__name__ for c in type(model).__mro__]
-    arch = layers.known_architecture(names)
-    if arch is None:
-        raise CaptureError(f"eagle3d capture: no known layer-id convention for {names[0]}")
-    model.set_eagle3_layers_to_capture(layers.sglang_layer_ids(list(_settings.layer_ids), arch))
-    inner = getattr(model, "language_model", None) or model  # Kimi-K2.5 wraps a DeepSeek-V3
-    pp_group = getattr(inner, "pp_group", None)
-    if pp_group is None or pp_group.is_last_rank:
-        captured = list(inner.model.layers_to_capture)
-        if captured != list(_settings.layer_ids):
-            raise CaptureError(f"eagle3d capture: {names[0]} captures the inputs of layers "
-                               f"{captured}, the contract names {list(_settings.layer_ids)}")
     from sglang.srt.distributed.parallel_state import get_tensor_model_parallel_rank
-    if get_tensor_model_parallel_rank() == 0:
-        _settings.spool.mkdir(parents=True, exist_ok=True)
-        writer = DumpWriter(_settings.spool, _settings.contract,
-                            ledger_loss_masks(_settings.ledger))
-        _capture = Capture(writer, len(_settings.layer_ids))
-        log.info("eagle3d capture: %s, layers %s, dumps to %s", names[0],
-                 list(_settings.layer_ids), _settings.spool)
+    from sglang.srt.layers.dp_attention import get_attention_dp_size
+    from importlib import metadata
+    _model = model_runner.model
+    _capture = prepare(_settings, _model, model_runner.server_args,
+                       get_tensor_model_parallel_rank(), get_attention_dp_size(),
+                       metadata.version("sglang"))
 
 
 def _before_logits(processor: Any, *args: Any, **kwargs: Any) -> None:
     """Before LogitsProcessor.forward, which every supported model calls with the post-norm
     hidden states of all the batch's tokens and, once capture is on, its aux hidden states."""
+    global _layers_rechecked
     if _capture is None:
         return
+    if not _layers_rechecked:
+        # Anything after load_model that re-sets the capture layers (SGLang's own aux-state
+        # return does) shows here, before the first dump.
+        assert _settings is not None
+        check_layers(_model, _settings.layer_ids)
+        _layers_rechecked = True
     bound = dict(zip(LOGITS_ARGS, args))
     bound.update(kwargs)
     batch = bound.get("logits_metadata")
@@ -330,3 +472,4 @@ def _before_logits(processor: Any, *args: Any, **kwargs: Any) -> None:
     _capture.on_forward(batch.forward_mode == ForwardMode.EXTEND, rids, batch.extend_start_loc,
                         batch.extend_seq_lens, batch.extend_prefix_lens_cpu, batch.input_ids,
                         bound.get("aux_hidden_states"), bound["hidden_states"])
+

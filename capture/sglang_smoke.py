@@ -13,7 +13,9 @@ See docs/sglang.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -21,13 +23,16 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Iterable, Iterator
 
 from eagle3d.capture import contract as contract_mod
 from eagle3d.capture import dumpformat, target
-from eagle3d.capture.sglang_client import SGLangClient
+from eagle3d.capture.sglang_client import SGLangClient, Startup
 from eagle3d.capture.sglang_launcher import check_version, launch_command, shell_line
+from eagle3d.capture.sglang_plugin import ENV_TOKEN
 from eagle3d.statemachine.config import (Config, DataConfig, PathsConfig, SGLangConfig,
                                          TargetConfig)
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 
 PROMPTS = ["What is the capital of France?",
@@ -36,7 +41,8 @@ PROMPTS = ["What is the capital of France?",
            "List three prime numbers larger than 100.",
            "Translate 'good morning' into German and Spanish.",
            "Why is the sky blue?"]
-MIN_COSINE = 0.99  # bf16 kernels differ between the engines; a wrong layer scores far lower
+MIN_COSINE = 0.99    # per token: bf16 kernels differ between the engines
+MEAN_COSINE = 0.999  # over a prompt's tokens; a layer off by one scored 0.43-0.95 on SmolLM2
 
 
 def tokenize(tokenizer, prompt: str) -> tuple[list[int], bytes]:
@@ -55,69 +61,142 @@ def sample_id(ids: list[int]) -> str:
     return hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes(), digest_size=16).hexdigest()
 
 
-def run_sglang(cfg: Config, contract: dict, samples: dict[str, list[int]],
-               startup_timeout: float) -> list[dict]:
+@contextlib.contextmanager
+def serving(cfg: Config, contract: dict, startup_timeout: float) -> Iterator[SGLangClient]:
+    """SGLang started as the daemon starts it, ready as the daemon judges it (/health and the
+    plugin's ready file); stopped on the way out."""
     argv, env = launch_command(cfg, contract)
     print("engine command:", shell_line(argv, env), flush=True)
     server = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
-    client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}", 4)
+    client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}", 64)
+    startup = Startup(client, cfg.paths.spool_dir, env[ENV_TOKEN], contract["fingerprint"],
+                      contract["layer_ids"], cfg.sglang.tp, startup_timeout,
+                      exited=lambda: server.poll() is not None)
     try:
-        deadline = time.monotonic() + startup_timeout
-        while not client.healthy(timeout=2.0):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"SGLang did not come up (exit status {server.poll()})")
-            time.sleep(2.0)
-        client.submit(list(samples.items()))
-        events: list[dict] = []
-        while len(events) < len(samples):
-            events += client.poll()
-            time.sleep(0.1)
-        names = {dumpformat.dump_name(s) for s in samples}
-        wait_until = time.monotonic() + 30.0  # dumps are written after the answer, on a thread
-        while not names <= {p.name for p in cfg.paths.spool_dir.iterdir()}:
-            if time.monotonic() > wait_until:
-                break
-            time.sleep(0.2)
-        return events
+        while startup.state == "starting":
+            if server.poll() is not None:
+                raise SystemExit(f"SGLang exited with status {server.poll()} before it was ready")
+            time.sleep(0.5)
+        if startup.state == "failed":
+            raise SystemExit(f"SGLang is not ready: {startup.problem}")
+        print("capture plugin ready:", json.dumps(startup.info), flush=True)
+        yield client
     finally:
+        startup.stop()
         client.close()
-        os.killpg(server.pid, signal.SIGTERM)
         try:
+            os.killpg(server.pid, signal.SIGTERM)
             server.wait(60)
+        except ProcessLookupError:
+            pass  # it had already exited: its status is in the message above
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
 
 
+def prefill_all(client: SGLangClient, samples: dict[str, list[int]]) -> list[dict]:
+    """Send every sample at once; returns one event each, when all have answered."""
+    client.submit(list(samples.items()))
+    events: list[dict] = []
+    while len(events) < len(samples):
+        events += client.poll()
+        time.sleep(0.05)
+    return events
+
+
+def wait_for_dumps(spool: Path, sids: Iterable[str], seconds: float = 30.0) -> None:
+    """Dumps are written after the answer, on the plugin's writer thread."""
+    names = {dumpformat.dump_name(s) for s in sids}
+    wait_until = time.monotonic() + seconds
+    while not names <= {p.name for p in spool.iterdir()} and time.monotonic() < wait_until:
+        time.sleep(0.2)
+
+
+def cosines(got, ref) -> tuple[float, float]:
+    import torch
+    cos = torch.nn.functional.cosine_similarity(got.float(), ref.float(), dim=-1)
+    return round(cos.min().item(), 5), round(cos.mean().item(), 5)
+
+
 def compare(model, spool: Path, sid: str, ids: list[int], layer_ids: list[int],
-            fingerprint: str) -> list[str]:
-    """Problems with one dump; empty when it matches the transformers reference."""
+            fingerprint: str) -> tuple[list[str], dict]:
+    """Problems with one dump (empty when it matches the transformers reference) and the
+    figures: per captured part, (min, mean) cosine per token against the reference layer and
+    against its neighbours, which must score clearly lower (no off-by-one)."""
     import torch
     from safetensors.torch import load_file
     path = spool / dumpformat.dump_name(sid)
     if not path.exists():
-        return [f"{sid}: no dump in {spool}"]
+        return [f"{sid}: no dump in {spool}"], {}
     header = dumpformat.read_header(path)
     problems = [] if header.contract == fingerprint else [f"{sid}: contract {header.contract}"]
     dump = load_file(str(path))
     if dump["input_ids"].tolist() != ids:
-        return problems + [f"{sid}: dumped {header.tokens} token ids differ from the {len(ids)} sent"]
+        return problems + [f"{sid}: dumped {header.tokens} token ids differ from the {len(ids)} "
+                           "sent"], {}
     with torch.no_grad():
-        out = model(torch.tensor([ids], device=model.device), output_hidden_states=True)
-    hs = out.hidden_states
-    reference = {"aux_hidden_states": torch.cat([hs[i][0] for i in layer_ids], dim=-1),
-                 "last_hidden_state": hs[-1][0]}
-    for name, ref in reference.items():
-        got = dump[name].to(ref.device, torch.float32)
-        ref = ref.float()
-        width = ref.shape[1] // (len(layer_ids) if name == "aux_hidden_states" else 1)
-        for k in range(ref.shape[1] // width):
-            part = slice(k * width, (k + 1) * width)
-            cos = torch.nn.functional.cosine_similarity(got[:, part], ref[:, part], dim=-1)
-            print(f"  {sid[:8]} {name}[{k}]: min cosine {cos.min().item():.5f}, max |diff| "
-                  f"{(got[:, part] - ref[:, part]).abs().max().item():.4g}")
-            if cos.min().item() < MIN_COSINE:
-                problems.append(f"{sid}: {name} part {k} differs (min cosine {cos.min():.4f})")
-    return problems
+        hs = model(torch.tensor([ids], device=model.device),
+                   output_hidden_states=True).hidden_states
+    width = hs[0].shape[-1]
+    aux = dump["aux_hidden_states"].to(model.device)
+    # (name, dumped rows, index of the reference in hs, indices of its neighbours)
+    parts = [(f"layer {i}", aux[:, k * width:(k + 1) * width], i, (i - 1, i + 1))
+             for k, i in enumerate(layer_ids)]
+    parts.append(("final", dump["last_hidden_state"].to(model.device), len(hs) - 1,
+                  (len(hs) - 2,)))
+    figures = {}
+    for name, got, i, neighbours in parts:
+        low, mean = cosines(got, hs[i][0])
+        near = {j: cosines(got, hs[j][0]) for j in neighbours}
+        figures[name] = {"min": low, "mean": mean, "neighbours": {str(j): v for j, v in near.items()}}
+        print(f"  {sid[:8]} {name}: cosine min {low:.5f} mean {mean:.5f}; neighbours "
+              + ", ".join(f"hs[{j}] min {v[0]:.3f} mean {v[1]:.3f}" for j, v in near.items()))
+        if low < MIN_COSINE or mean < MEAN_COSINE:
+            problems.append(f"{sid}: {name} differs (cosine min {low:.4f}, mean {mean:.4f})")
+        if any(v[1] >= mean for v in near.values()):
+            problems.append(f"{sid}: {name} matches a neighbouring layer as well (off by one?)")
+    return problems, figures
+
+
+def measure_overhead(client: SGLangClient, spool: Path, samples: dict[str, list[int]],
+                     rounds: int) -> dict:
+    """Prefill tokens/s of the same requests with capture (request ids are planned samples:
+    dumped, timed until the dumps are on disk) and without (other request ids: the plugin lets
+    them pass), interleaved round by round on the same server."""
+    tokens = sum(map(len, samples.values()))
+    timings: dict[str, list[float]] = {"capture": [], "plain": []}
+    for r in range(rounds):
+        for mode in ("plain", "capture"):
+            batch = samples if mode == "capture" else {f"plain{r}-{k}": v
+                                                       for k, v in samples.items()}
+            start = time.monotonic()
+            prefill_all(client, batch)
+            if mode == "capture":
+                wait_for_dumps(spool, samples, 300.0)
+            timings[mode].append(time.monotonic() - start)
+            for sid in samples:
+                (spool / dumpformat.dump_name(sid)).unlink(missing_ok=True)
+    rate = {m: tokens * len(t) / sum(t) for m, t in timings.items()}
+    result = {"tokens_per_round": tokens, "rounds": rounds, "seconds": timings,
+              "tokens_per_s": rate, "ratio": rate["capture"] / rate["plain"]}
+    print("capture overhead:", json.dumps(result), flush=True)
+    return result
+
+
+def plan_samples(token_lists: list[list[int]], masks: list[bytes], start: int = 0
+                 ) -> tuple[dict[str, list[int]], list[PlannedSample]]:
+    samples, planned = {}, []
+    for idx, (ids, mask) in enumerate(zip(token_lists, masks), start):
+        raw = b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
+        sid = sample_id(ids)
+        samples[sid] = ids
+        planned.append(PlannedSample(sid, idx, len(ids), 0, dumpformat.ids_hash(raw), raw, mask))
+    return samples, planned
+
+
+def synthetic(count: int, tokens: int, vocab: int) -> list[list[int]]:
+    import random
+    rng = random.Random(0)
+    return [[rng.randrange(100, vocab) for _ in range(tokens)] for _ in range(count)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=len(PROMPTS))
     ap.add_argument("--work", type=Path, default=None, help="folder kept for inspection")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
+    ap.add_argument("--mem-fraction", type=float, default=SGLangConfig().mem_fraction)
+    ap.add_argument("--extra-arg", action="append", default=[], dest="extra_args",
+                    help="one more server flag, as [sglang] extra_args holds it (repeatable)")
+    ap.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
+                    help="also measure capture overhead: prefill tokens/s with and without "
+                         "capture over this many rounds of 128 synthetic 1024-token prompts")
+    ap.add_argument("--summary", type=Path, default=None, help="write the figures here (JSON)")
     args = ap.parse_args(argv)
 
     problem = check_version(args.python)
@@ -141,35 +227,50 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = target.load_tokenizer(model_path)
     hf_config = target.load_config(model_path)
     layer_ids = contract_mod.default_layer_ids(hf_config.num_hidden_layers)
-    samples, planned = {}, []
-    for idx, prompt in enumerate(PROMPTS[:args.samples]):
-        ids, mask = tokenize(tokenizer, prompt)
-        raw = b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
-        sid = sample_id(ids)
-        samples[sid] = ids
-        planned.append(PlannedSample(sid, idx, len(ids), 0, dumpformat.ids_hash(raw), raw, mask))
+    chats = [tokenize(tokenizer, prompt) for prompt in PROMPTS[:args.samples]]
+    samples, planned = plan_samples([c[0] for c in chats], [c[1] for c in chats])
+    bench: dict[str, list[int]] = {}
+    if args.overhead:
+        ids = synthetic(128, 1024, hf_config.vocab_size)
+        bench, more = plan_samples(ids, [bytes(len(i)) for i in ids], len(planned))
+        planned += more
     paths = PathsConfig(work / "state", work / "spool", work / "dataset", work / "train")
     for folder in (paths.state_dir, paths.spool_dir):
         folder.mkdir(parents=True, exist_ok=True)
-    with Ledger(paths.state_dir / "ledger.sqlite") as ledger:
+    with Ledger(layout.ledger(paths.state_dir)) as ledger:
         ledger.add_planned(planned, [], {})
     contract = {"layer_ids": layer_ids, "dtype": args.dtype, "target": args.model,
                 "hidden_size": hf_config.hidden_size, "num_layers": hf_config.num_hidden_layers}
     contract["fingerprint"] = contract_mod.fingerprint(contract)
+    longest = max(map(len, [*samples.values(), *bench.values()]))
     cfg = Config(path=work / "smoke.toml",
                  target=TargetConfig(model=args.model, engine="sglang", dtype=args.dtype,
                                      model_path=model_path),
-                 data=DataConfig(source="smoke", max_tokens=max(map(len, samples.values()))),
-                 paths=paths, sglang=SGLangConfig(python=args.python, tp=args.tp, port=args.port))
+                 data=DataConfig(source="smoke", max_tokens=longest),
+                 paths=paths, sglang=SGLangConfig(python=args.python, tp=args.tp, port=args.port,
+                                                  mem_fraction=args.mem_fraction,
+                                                  extra_args=tuple(args.extra_args)))
     print(f"{len(samples)} samples, layers {layer_ids}, work folder {work}", flush=True)
 
-    events = run_sglang(cfg, contract, samples, args.startup_timeout)
+    summary: dict = {"layers": layer_ids}
+    with serving(cfg, contract, args.startup_timeout) as client:
+        events = prefill_all(client, samples)
+        wait_for_dumps(paths.spool_dir, samples)
+        if args.overhead:
+            summary["overhead"] = measure_overhead(client, paths.spool_dir, bench, args.overhead)
     problems = [f"{e['ids'][0]}: {e['error']}" for e in events if e["event"] == "error"]
     model = target.load_model(model_path, args.dtype, "auto")
+    summary["dumps"] = {}
     for sid, ids in samples.items():
-        problems += compare(model, paths.spool_dir, sid, ids, layer_ids, contract["fingerprint"])
+        found, figures = compare(model, paths.spool_dir, sid, ids, layer_ids,
+                                 contract["fingerprint"])
+        problems += found
+        summary["dumps"][sid] = {"tokens": len(ids), **figures}
     for p in problems:
         print("PROBLEM", p)
+    summary["problems"] = problems
+    if args.summary:
+        args.summary.write_text(json.dumps(summary, indent=1))
     print("SMOKE TEST", "FAILED" if problems else "PASSED")
     return 1 if problems else 0
 

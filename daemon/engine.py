@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child
+from eagle3d.daemon.children import Child, remaining
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config
 
 log = logging.getLogger("eagle3d")
@@ -31,11 +33,13 @@ class WorkerEngine:
     kind = "transformers"
 
     def __init__(self, cfg: Config, pid_dir: Path) -> None:
+        in_force = layout.config_in_force(cfg.paths.state_dir)
         self.child = Child("engine", [sys.executable, "-m", "eagle3d.capture.worker",
-                                      "-c", str(cfg.path)], pid_dir,
+                                      "-c", str(in_force)], pid_dir,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.ready = False
         self.device = ""
+        self.model = ""  # the target the worker loaded, as it reports it
         self._events: queue.Queue[dict] = queue.Queue()
         self._outbox: queue.Queue[bytes | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True, name="engine-out").start()
@@ -84,6 +88,7 @@ class WorkerEngine:
             if event.get("event") == "ready":
                 self.ready = True
                 self.device = str(event.get("device", ""))
+                self.model = str(event.get("model", ""))
             out.append(event)
         return out
 
@@ -91,12 +96,14 @@ class WorkerEngine:
         return self.child.poll()
 
     def stop(self, grace: float) -> int:
-        """Close its input (it finishes the batch in hand and exits), then signals."""
+        """Close its input (it finishes the batch in hand and exits), then signals: all within
+        `grace` seconds."""
+        deadline = time.monotonic() + grace
         self._outbox.put(None)
         try:
-            self.child.proc.wait(grace)
+            self.child.proc.wait(grace / 2)
         except subprocess.TimeoutExpired:
-            return self.child.stop(grace)
+            return self.child.stop(remaining(deadline, grace))
         return self.child.stop(0)  # reaps it and ends whatever it left behind
 
 
@@ -106,8 +113,9 @@ class SGLangEngine:
     kind = "sglang"
 
     def __init__(self, cfg: Config, pid_dir: Path, contract: dict[str, Any]) -> None:
-        from eagle3d.capture.sglang_client import SGLangClient
+        from eagle3d.capture.sglang_client import SGLangClient, Startup
         from eagle3d.capture.sglang_launcher import check_version, launch_command
+        from eagle3d.capture.sglang_plugin import ENV_TOKEN
         problem = check_version(cfg.sglang.python)
         if problem:
             raise EngineUnavailable(problem)
@@ -119,8 +127,12 @@ class SGLangEngine:
         self.client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}",
                                    cfg.extract.max_inflight_samples)
         self.ready = False
+        self.problem: str | None = None  # why the engine will not become ready, once known
         self.device = f"sglang tp={cfg.sglang.tp}"
-        self._next_health = 0.0
+        self.startup = Startup(self.client, cfg.paths.spool_dir, env[ENV_TOKEN],
+                               contract["fingerprint"], contract["layer_ids"], cfg.sglang.tp,
+                               cfg.sglang.startup_timeout_s,
+                               exited=lambda: self.child.proc.poll() is not None)
 
     @property
     def pid(self) -> int:
@@ -130,17 +142,26 @@ class SGLangEngine:
         self.client.submit([(s["id"], s["input_ids"]) for s in batch])
 
     def events(self) -> list[dict]:
-        if not self.ready and time.monotonic() >= self._next_health:
-            self._next_health = time.monotonic() + 2.0
-            if self.client.healthy(timeout=1.0):
-                self.ready = True
-                return [{"event": "ready", "device": self.device}]
-        return self.client.poll() if self.ready else []
+        if self.ready:
+            return self.client.poll()
+        if self.startup.state == "ready":
+            self.ready = True
+            info = self.startup.info or {}
+            self.device = f"sglang {info.get('sglang')} tp={info.get('tp_size')}"
+            return [{"event": "ready", "device": self.device}]
+        if self.startup.state == "failed" and self.problem is None:
+            # A server without working capture must not take samples: end it, so the daemon
+            # sees the engine exit (the message is in the log and in `problem`).
+            self.problem = self.startup.problem
+            log.error("the SGLang engine is not ready: %s", self.problem)
+            self.child.signal(signal.SIGTERM)
+        return []
 
     def poll(self) -> int | None:
         return self.child.poll()
 
     def stop(self, grace: float) -> int:
+        self.startup.stop()
         self.client.close()
         return self.child.stop(grace)
 

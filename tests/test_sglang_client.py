@@ -124,7 +124,7 @@ def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     samples = [[(7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     too_long = list(range(CONTEXT_LENGTH + 1))
     writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples + [too_long])))
-    fake = FakeSGLang(Capture(writer, num_layers=3))
+    fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True))
     server = serve(fake)
     client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4)
     try:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from eagle3d.capture.sglang_launcher import SUPPORTED, check_version, launch_command, shell_line
-from eagle3d.capture.sglang_plugin import CaptureSettings
+from eagle3d.capture.sglang_plugin import ENV_TOKEN, CaptureSettings
 from eagle3d.statemachine.config import parse_config
 
 CONTRACT = {"fingerprint": "c" * 32, "layer_ids": [2, 30, 58]}
@@ -47,8 +47,12 @@ def test_command_starts_sglang_with_the_flags_capture_needs(tmp_path, monkeypatc
     assert argv[-1] == "--trust-remote-code"
     settings = CaptureSettings.from_env(env)
     assert settings == CaptureSettings(tmp_path / "spool", "c" * 32, (2, 30, 58),
-                                       tmp_path / "state" / "ledger.sqlite")
+                                       tmp_path / "state" / "ledger.sqlite", env[ENV_TOKEN])
     assert "SGLANG_PLUGINS" not in env  # unset: SGLang loads every installed plugin
+    # /health answers at once instead of running a generation the daemon would wait on.
+    assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
+    assert settings.token and launch_command(config(tmp_path), CONTRACT)[1][ENV_TOKEN] != \
+        settings.token  # each start its own: an old ready file is not taken for this one
     line = shell_line(argv, env)
     assert shlex.split(line)[-len(argv):] == argv and "EAGLE3D_LAYER_IDS=2,30,58" in line
 
@@ -59,8 +63,13 @@ def test_an_operators_plugin_list_keeps_ours(tmp_path, monkeypatch):
     assert env["SGLANG_PLUGINS"] == "vendor_hooks,eagle3d_capture"
 
 
-@pytest.mark.parametrize("bad", ["--chunked-prefill-size=8192", "--speculative-algorithm",
-                                 "--enable-mixed-chunk", "--pp-size"])
+@pytest.mark.parametrize("bad", [
+    "--chunked-prefill-size=8192", "--speculative-algorithm", "--enable-mixed-chunk", "--pp-size",
+    "--cuda-graph-config", "--attention-data-parallel-size", "--attn-dp-size",
+    "--enable-dp-attention", "--enable-prefill-cp", "--attn-cp-size=2",
+    "--attention-context-parallel-size", "--enable-layernorm-sp",
+    "--enable-attn-tp-input-scattered", "--enable-return-aux-hidden-states",
+    "--return-aux-hidden-state-layer-ids"])
 def test_extra_args_cannot_undo_capture_flags(tmp_path, bad):
     with pytest.raises(ValueError, match=f"extra_args\\] {bad.split('=')[0]} is set by eagle3d"):
         launch_command(config(tmp_path, extra_args=[bad]), CONTRACT)

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from eagle3d.capture import dumpformat
-from eagle3d.capture.sglang_plugin import (Capture, CaptureError, CaptureSettings, DumpWriter,
-                                           ledger_loss_masks, split_extend_batch)
+from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, Capture, CaptureError,
+                                           CaptureSettings, DumpWriter, check_layers,
+                                           handshake_problem, ledger_loss_masks, prepare,
+                                           read_handshake, split_extend_batch)
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 
 HIDDEN = 16
@@ -134,7 +137,7 @@ def test_capture_writes_one_dump_per_planned_request_and_ignores_decode(tmp_path
     cached = [1, 2, 3, 4]
     ledger = plan(tmp_path, REQUESTS + [cached])
     writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(ledger))
-    capture = Capture(writer, num_layers=3)
+    capture = Capture(writer, num_layers=3, radix_cache_off=True)
     # Beside the samples: SGLang's own health check and a warm-up whose uuid looks like an id.
     others = [("HEALTH_CHECK_0f1e", [3, 4]), ("0123456789abcdef0123456789abcdef", [9, 9, 9])]
     requests = [(sample_id(ids), ids) for ids in REQUESTS] + others
@@ -162,7 +165,7 @@ def test_capture_refuses_a_model_that_captures_other_layers(tmp_path):
     batch = extend_batch([("a" * 32, [1, 2, 3])], table)
     batch["aux_hidden"] = batch["aux_hidden"][:2]
     with pytest.raises(CaptureError, match="captured 2 layers, the contract names 3"):
-        Capture(writer, num_layers=3).on_forward(**batch)
+        Capture(writer, num_layers=3, radix_cache_off=True).on_forward(**batch)
     writer.close()
 
 
@@ -172,3 +175,108 @@ def test_settings_travel_through_the_environment(tmp_path):
     assert CaptureSettings.from_env({}) is None  # a server eagle3d did not start: left alone
     with pytest.raises(CaptureError, match="EAGLE3D_LAYER_IDS"):
         CaptureSettings.from_env({**settings.to_env(), "EAGLE3D_LAYER_IDS": "2;30"})
+
+
+# ---- the load-model hook's checks, the ready file, the zero-prefix rule --------------------------
+
+class ServerArgs:
+    """The fields of SGLang's ServerArgs the plugin reads, as the launcher's command sets them."""
+
+    def __init__(self, **changes) -> None:
+        self.tp_size, self.pp_size, self.attn_cp_size = 1, 1, 1
+        self.disable_radix_cache, self.chunked_prefill_size = True, -1
+        self.enable_dp_attention = self.enable_prefill_cp = self.enable_mixed_chunk = False
+        self.enable_layernorm_sp = self.enable_attn_tp_input_scattered = False
+        self.enable_two_batch_overlap = self.enable_return_aux_hidden_states = False
+        self.speculative_algorithm = None
+        self.cuda_graph_config = SimpleNamespace(prefill=SimpleNamespace(backend="disabled"))
+        self.__dict__.update(changes)
+
+
+class LlamaForCausalLM:
+    """What SGLang's llama.py does with the ids it is given: layers_to_capture = ids + 1."""
+
+    def __init__(self) -> None:
+        self.model = SimpleNamespace(layers_to_capture=[])
+
+    def set_eagle3_layers_to_capture(self, ids: list[int]) -> None:
+        self.model.layers_to_capture = [i + 1 for i in ids]
+
+
+def settings(tmp_path: Path, token: str = "t1") -> CaptureSettings:
+    return CaptureSettings(tmp_path / "spool", CONTRACT, (2, 16, 29), plan(tmp_path, REQUESTS),
+                           token)
+
+
+REFUSED = {
+    "attention data parallelism": ({"enable_dp_attention": True}, 2),
+    "attention context parallelism": ({"attn_cp_size": 2}, 1),
+    "context parallelism of prefill": ({"enable_prefill_cp": True}, 1),
+    "sequence-parallel norms": ({"enable_layernorm_sp": True}, 1),
+    "scattered": ({"enable_attn_tp_input_scattered": True}, 1),
+    "radix cache": ({"disable_radix_cache": False}, 1),
+    "chunked prefill": ({"chunked_prefill_size": 8192}, 1),
+    "prefill CUDA graphs": ({"cuda_graph_config": SimpleNamespace(
+        prefill=SimpleNamespace(backend="breakable"))}, 1),
+    "pipeline parallelism": ({"pp_size": 2}, 1),
+    "speculative decoding": ({"speculative_algorithm": "EAGLE3"}, 1),
+    "aux hidden states returned": ({"enable_return_aux_hidden_states": True}, 1),
+}
+
+
+@pytest.mark.parametrize("what", REFUSED)
+def test_the_load_model_hook_refuses_what_it_cannot_capture(tmp_path, what):
+    changes, attn_dp_size = REFUSED[what]
+    with pytest.raises(CaptureError, match="cannot run in this SGLang configuration") as err:
+        prepare(settings(tmp_path), LlamaForCausalLM(), ServerArgs(**changes), 0, attn_dp_size,
+                "0.5.17")
+    assert what.split()[0] in str(err.value)
+    assert not (tmp_path / "spool" / HANDSHAKE_FILE).exists()  # so the daemon never says ready
+
+
+def test_attention_dp_is_refused_even_when_only_the_group_size_shows_it(tmp_path):
+    # A model override (DeepSeek's prefill CP) can turn attention-DP on behind the flags.
+    with pytest.raises(CaptureError, match="attention-DP size 4"):
+        prepare(settings(tmp_path), LlamaForCausalLM(), ServerArgs(), 0, 4, "0.5.17")
+
+
+def test_rank_0_reports_ready_with_what_it_read_back(tmp_path):
+    s = settings(tmp_path)
+    capture = prepare(s, LlamaForCausalLM(), ServerArgs(tp_size=2), 0, 1, "0.5.17")
+    assert capture is not None and capture.radix_cache_off
+    found = read_handshake(s.spool, "t1")
+    assert found["layers"] == [2, 16, 29] and found["sglang"] == "0.5.17"
+    assert found["tp_size"] == 2 and found["attn_dp_size"] == 1 and found["pid"] > 0
+    assert handshake_problem(found, CONTRACT, [2, 16, 29], tp=2) is None
+    assert "tp=2" in handshake_problem(found, CONTRACT, [2, 16, 29], tp=1)
+    assert read_handshake(s.spool, "another start") is None  # a stale file is not this start's
+    assert prepare(s, LlamaForCausalLM(), ServerArgs(tp_size=2), 1, 1, "0.5.17") is None
+    capture.writer.close()
+
+
+def test_a_model_that_ignores_the_layers_stops_the_server(tmp_path):
+    class Stubborn(LlamaForCausalLM):
+        def set_eagle3_layers_to_capture(self, ids: list[int]) -> None:
+            self.model.layers_to_capture = [2, 16, 30]  # e.g. ids from a draft config
+    s = settings(tmp_path)
+    with pytest.raises(CaptureError, match=r"captures the inputs of layers \[2, 16, 30\]"):
+        prepare(s, Stubborn(), ServerArgs(), 0, 1, "0.5.17")
+    model = LlamaForCausalLM()
+    capture = prepare(s, model, ServerArgs(), 0, 1, "0.5.17")
+    model.model.layers_to_capture = [1, 2, 3]  # re-set after load: the first forward's re-read
+    with pytest.raises(CaptureError, match=r"\[1, 2, 3\]"):
+        check_layers(model, (2, 16, 29))
+    capture.writer.close()
+
+
+def test_missing_prefix_lengths_are_zero_only_with_the_radix_cache_off(tmp_path):
+    table = hidden_table()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, REQUESTS)))
+    batch = extend_batch([(sample_id(ids), ids) for ids in REQUESTS], table)
+    batch["extend_prefix_lens"] = None  # as on SGLang's GPU-only path
+    with pytest.raises(CaptureError, match="radix cache is on"):
+        Capture(writer, 3, radix_cache_off=False).on_forward(**batch)
+    assert Capture(writer, 3, radix_cache_off=True).on_forward(**batch) == len(REQUESTS)
+    writer.close()

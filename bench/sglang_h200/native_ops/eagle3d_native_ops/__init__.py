@@ -1,0 +1,27 @@
+"""Smoke-only SGLang plugin for a bundle without the kernel libraries' JIT sources: every
+MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) runs its pure-torch forward_native, and
+SGLang's JIT KV-cache store is off (it falls back to indexing). Without it the first prefill
+fails: `ninja: error: .../flashinfer/data/csrc/norm.cu missing`. Never install it next to a
+production server: it trades speed for running anywhere."""
+
+import logging
+
+log = logging.getLogger("eagle3d_native_ops")
+
+OPS_TARGET = "sglang.srt.layers.utils.multi_platform.MultiPlatformOp.dispatch_forward"
+KV_STORE_TARGET = "sglang.kernels.ops.kvcache.kvcache.can_use_store_cache"
+
+
+def _native(op):
+    return op.forward_native
+
+
+def _no_jit_store(*args, **kwargs):
+    return False
+
+
+def register():
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    HookRegistry.register(OPS_TARGET, _native, HookType.REPLACE)
+    HookRegistry.register(KV_STORE_TARGET, _no_jit_store, HookType.REPLACE)
+    log.warning("eagle3d_native_ops: SGLang's fused ops run in native torch (smoke runs only)")

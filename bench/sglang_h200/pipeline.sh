@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The daemon with engine = "sglang" on SmolLM2-135M-Instruct: it starts SGLang itself (launcher,
+# start watcher, plugin, client) and runs plan → extract → verify → train → done; then the
+# acceptance length of the exported drafter. Figures in OUTDIR/summary.json.
+#   bench/sglang_h200/pipeline.sh MODEL_DIR SHAREGPT.json OUTDIR [SERVER_ARG...]
+set -euo pipefail
+model=$(realpath "$1"); source=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
+extra=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
+mkdir -p "$out"
+cat > "$out/sglang.toml" <<TOML
+[target]
+model = "$model"
+engine = "sglang"
+dtype = "bfloat16"
+device = "cuda"
+[data]
+source = "$source"
+format = "sharegpt"
+first = 0
+limit = 600
+max_tokens = 1024
+[paths]
+state_dir = "$out/state"
+spool_dir = "/dev/shm/eagle3d-sglang-pipeline"
+dataset_dir = "$out/dataset"
+train_dir = "$out/train"
+[budget]
+reserve = "4GiB"
+spool_max = "8GiB"
+[extract]
+batch_tokens = 16384
+max_inflight_tokens = 131072
+max_inflight_samples = 256
+[verify]
+workers = 8
+spot_checks = 2
+[train]
+device = "cuda"
+draft_vocab = 8192
+ttt_steps = 3
+epochs = 2.0
+batch_tokens = 8192
+lr = 1e-3
+warmup_steps = 10
+checkpoint_every = 200
+[eval]
+first = 620
+limit = 16
+steps = 4
+max_new_tokens = 48
+[sglang]
+python = "python3"
+port = 30555
+mem_fraction = 0.3
+startup_timeout_s = 600
+extra_args = $extra
+TOML
+started=$(date +%s)
+python3 -c 'import sys; from eagle3d.daemon.main import main; sys.exit(main())' \
+  run -c "$out/sglang.toml" --until done
+wall=$(( $(date +%s) - started ))
+python3 -c 'import sys; from eagle3d.daemon.ctl import main; sys.exit(main())' \
+  -c "$out/sglang.toml" status || true
+python3 - "$out" "$wall" <<'PY'
+import json, sqlite3, sys
+out, wall = sys.argv[1], int(sys.argv[2])
+db = sqlite3.connect(f"{out}/state/ledger.sqlite")
+events = [r for r in db.execute("SELECT kind, detail FROM events ORDER BY seq")]
+ev = json.load(open(f"{out}/train/eval.json"))
+summary = {"wall_s": wall, "events": [e for e in events if e[0].startswith(("engine", "stage", "drafter"))],
+           "acceptance_length": ev["acceptance_length"],
+           "per_position_acceptance": ev["per_position_acceptance"], "prompts": ev["prompts"]}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
+print(json.dumps(summary, indent=1))
+PY

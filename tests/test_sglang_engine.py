@@ -1,0 +1,99 @@
+"""The daemon's SGLang engine, started for real (its Child, launch command, start watcher and
+client) on a stand-in server (tests/fake_sglang) that answers /health as slowly as SGLang does
+and runs the capture plugin's real load-model step: ready only once /health answers and the
+plugin's ready file of this start is there; a server without the plugin, or whose plugin
+refused, never is."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3d.capture import sglang_client
+from eagle3d.daemon.engine import SGLangEngine
+from eagle3d.statemachine.config import parse_config
+from test_sglang_plugin import CONTRACT, REQUESTS, plan
+
+TESTS = Path(__file__).resolve().parent
+LAYERS = [2, 16, 29]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def engine(tmp_path: Path) -> SGLangEngine:
+    """An engine whose [sglang] python sees the stand-in SGLang (version 0.5.17) and eagle3d."""
+    fake = tmp_path / "site"
+    info = fake / "sglang-0.5.17.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.17\n")
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={fake}:{TESTS / 'fake_sglang'}:{TESTS} "
+                      f"exec {sys.executable} \"$@\"\n")
+    python.chmod(0o755)
+    (tmp_path / "model").mkdir()
+    (tmp_path / "data.json").write_text("[]")
+    (tmp_path / "state").mkdir()
+    plan(tmp_path / "state", REQUESTS)
+    cfg = parse_config({
+        "target": {"model": "model", "engine": "sglang", "dtype": "bfloat16"},
+        "data": {"source": "data.json", "max_tokens": 512},
+        "paths": {"state_dir": "state", "spool_dir": "spool", "dataset_dir": "dataset",
+                  "train_dir": "train"},
+        "sglang": {"python": str(python), "port": free_port(), "startup_timeout_s": 60.0}},
+        tmp_path / "eagle3d.toml")
+    return SGLangEngine(cfg, tmp_path / "pids", {"fingerprint": CONTRACT, "layer_ids": LAYERS})
+
+
+def wait(eng: SGLangEngine, seconds: float) -> list[dict]:
+    events: list[dict] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not eng.ready and eng.problem is None \
+            and eng.poll() is None:
+        events += eng.events()
+        time.sleep(0.1)
+    return events
+
+
+def test_ready_after_a_slow_health_and_the_plugins_ready_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG", "ok")
+    eng = engine(tmp_path)
+    try:
+        events = wait(eng, 60)
+        assert eng.ready, eng.problem
+        assert events == [{"event": "ready", "device": "sglang 0.5.17 tp=1"}]
+    finally:
+        eng.stop(5)
+
+
+def test_a_server_without_the_plugin_is_never_ready(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG", "no-plugin")
+    monkeypatch.setattr(sglang_client, "HANDSHAKE_GRACE_S", 2.0)
+    eng = engine(tmp_path)
+    try:
+        assert wait(eng, 60) == []
+        assert not eng.ready
+        assert "capture plugin did not report ready" in eng.problem
+        deadline = time.monotonic() + 10
+        while eng.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.poll() is not None  # ended: it must not take samples it cannot capture
+    finally:
+        eng.stop(5)
+
+
+def test_a_refusal_in_the_load_model_hook_stops_the_server(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAKE_SGLANG", "dp-attention")
+    eng = engine(tmp_path)
+    try:
+        assert wait(eng, 60) == []
+        assert not eng.ready and eng.poll() == 1
+    finally:
+        eng.stop(5)
