@@ -19,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,7 +62,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_DIR", "/var/tmp")) as tmp:
         root = Path(tmp)
         config = write_config(root)
-        ledger = Ledger(root / "state" / "ledger.sqlite")
+        ledger = Ledger(layout.ledger(root / "state"))
         have, next_id = 0, 10**9
         for size in sizes:
             have = fill_ledger(ledger, size, have)

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (BYTES_PER_TOKEN, INGEST_THREADS, IngestRig, fill_ledger,  # noqa: E402
                     timed_cpu, write_config, write_dumps)
 
+from eagle3d.statemachine import layout  # noqa: E402
 from eagle3d.statemachine.ledger import Ledger  # noqa: E402
 from eagle3d.statemachine.statefile import write_state  # noqa: E402
 
@@ -75,7 +76,7 @@ def ingest_load(rig: IngestRig, threads: int, state_dir: Path, stop: multiproces
     started = time.time()
 
     def heartbeat() -> None:
-        with Ledger(state_dir / "ledger.sqlite", readonly=True) as ledger:
+        with Ledger(layout.ledger(state_dir), readonly=True) as ledger:
             while not stop.is_set():
                 write_state(state_dir, daemon_state(ledger, state_dir.parent, started))
                 stop.wait(HEARTBEAT_EVERY_S)
@@ -91,7 +92,7 @@ def ingest_load(rig: IngestRig, threads: int, state_dir: Path, stop: multiproces
 
 def wait_for_state(state_dir: Path, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
-    while not (state_dir / "state.toml").exists():
+    while not layout.state_file(state_dir).exists():
         if time.monotonic() > deadline:
             raise RuntimeError("the ingest load process wrote no state.toml")
         time.sleep(0.05)
@@ -136,13 +137,13 @@ def main(argv: list[str] | None = None) -> int:
         config = write_config(root)
         state_dir = root / "state"
         start = time.perf_counter()
-        with Ledger(state_dir / "ledger.sqlite") as ledger:
+        with Ledger(layout.ledger(state_dir)) as ledger:
             fill_ledger(ledger, samples, 0)
         master = Path(shm) / "master"
         master.mkdir()
         dumps = write_dumps(master, int(load_gb * 1e9), int(min_mb * 1e6 / BYTES_PER_TOKEN),
                             int(max_mb * 1e6 / BYTES_PER_TOKEN))
-        rig = IngestRig(dumps, Path(shm) / "spool", root / "dataset", state_dir / "ledger.sqlite",
+        rig = IngestRig(dumps, Path(shm) / "spool", root / "dataset", layout.ledger(state_dir),
                         RIG_FIRST_IDX)
         print(f"ledger {samples:,} rows + {len(dumps)} dumps ({rig.nbytes / 1e9:.2f} GB) "
               f"ingested in a loop by {args.threads} threads; set up in "

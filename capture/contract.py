@@ -21,9 +21,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
-
-FILE = "capture.toml"
+from eagle3d.statemachine.entry import ContractMismatch, Refusal
 LAYER_CONVENTION = "hidden state entering decoder layer i (HF hidden_states[i])"
 FINAL_STATE = "post_norm"
 
@@ -45,19 +45,40 @@ def fingerprint(contract: dict[str, Any]) -> str:
 
 
 def read(dataset_dir: Path) -> dict[str, Any] | None:
-    path = Path(dataset_dir) / FILE
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(layout.contract_file(dataset_dir).read_text())
     except FileNotFoundError:
         return None
     return data
+
+
+def read_checked(dataset_dir: Path) -> dict[str, Any]:
+    """The contract an engine captures under: it must exist and match its own fingerprint."""
+    path = layout.contract_file(dataset_dir)
+    doc = read(dataset_dir)
+    if doc is None:
+        raise Refusal(f"no capture contract at {path}; the planner writes it, run it first")
+    if doc.get("fingerprint") != fingerprint(doc):
+        raise Refusal(f"{path} does not match its fingerprint (edited by hand?)")
+    return doc
+
+
+def check_target(doc: dict[str, Any], target_fingerprint: str, model: str) -> None:
+    """Refuse a target whose weights are not the ones the dataset was captured with: a model
+    of the same shape would pass every shape check and silently poison the dataset."""
+    if doc.get("target_fingerprint") != target_fingerprint:
+        raise ContractMismatch(
+            f"the target {model} is not the model this dataset was captured with (weights "
+            f"fingerprint {target_fingerprint}, the capture contract says "
+            f"{doc.get('target_fingerprint')}): put that model back, or point [paths] "
+            "dataset_dir and state_dir at new folders for a new dataset")
 
 
 def write(dataset_dir: Path, contract: dict[str, Any]) -> dict[str, Any]:
     """Write the contract with its fingerprint; returns what was written."""
     doc = dict(contract)
     doc["fingerprint"] = fingerprint(contract)
-    atomic_write_bytes(Path(dataset_dir) / FILE, tomli_w.dumps(doc).encode())
+    atomic_write_bytes(layout.contract_file(dataset_dir), tomli_w.dumps(doc).encode())
     return doc
 
 

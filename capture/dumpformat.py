@@ -22,7 +22,10 @@ SAMPLE_ID = re.compile(r"[0-9a-f]{32}")
 
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8, "U8": 1}
-TENSORS = ("input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state")
+# The tensors of a dump, in file order; readers name them through these constants.
+INPUT_IDS, LOSS_MASK, AUX, LAST = "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"
+TENSORS = (INPUT_IDS, LOSS_MASK, AUX, LAST)
+HIDDEN = (AUX, LAST)  # the floating-point ones
 MAX_HEADER = 1 << 20
 
 
@@ -48,11 +51,11 @@ class DumpHeader:
 
     @property
     def hidden_size(self) -> int:
-        return self.tensors["last_hidden_state"].shape[1]
+        return self.tensors[LAST].shape[1]
 
     @property
     def dtype(self) -> str:
-        return self.tensors["last_hidden_state"].dtype
+        return self.tensors[LAST].dtype
 
 
 def dump_name(sample_id: str) -> str:
@@ -72,7 +75,7 @@ def write_dump(folder: str | os.PathLike, sample_id: str, contract: str,
     shape, raw little-endian bytes). Returns the final path."""
     final = Path(folder) / dump_name(sample_id)
     header: dict = {"__metadata__": {"format": FORMAT, "sample_id": sample_id,
-                                     "tokens": str(tensors["input_ids"][1][0]),
+                                     "tokens": str(tensors[INPUT_IDS][1][0]),
                                      "contract": contract}}
     offset = 0
     buffers = []
@@ -153,14 +156,14 @@ def parse_header(head: bytes, file_size: int) -> DumpHeader:
         raise DumpError("tensor data is not contiguous")
     if base + spans[-1][1] != file_size:
         raise DumpError(f"file is {file_size} bytes, header describes {base + spans[-1][1]}")
-    tokens = tensors["input_ids"].shape
-    if tensors["input_ids"].dtype != "I32" or tensors["loss_mask"].dtype != "U8":
+    tokens = tensors[INPUT_IDS].shape
+    if tensors[INPUT_IDS].dtype != "I32" or tensors[LOSS_MASK].dtype != "U8":
         raise DumpError("input_ids must be I32 and loss_mask U8")
-    if len(tokens) != 1 or tensors["loss_mask"].shape != tokens:
+    if len(tokens) != 1 or tensors[LOSS_MASK].shape != tokens:
         raise DumpError("input_ids and loss_mask must be [T]")
     t_count = tokens[0]
-    last = tensors["last_hidden_state"]
-    aux = tensors["aux_hidden_states"]
+    last = tensors[LAST]
+    aux = tensors[AUX]
     if len(last.shape) != 2 or last.shape[0] != t_count:
         raise DumpError(f"last_hidden_state shape {last.shape} is not [{t_count}, H]")
     if aux.shape != (t_count, 3 * last.shape[1]) or aux.dtype != last.dtype:

@@ -12,7 +12,8 @@ Resumable: each batch of ~256 conversations is one ledger transaction, and a res
 the highest source index already recorded. The daemon reads progress from the ledger meta keys
 `plan.*`; this process never decides on its own that the plan is complete.
 
-Exit codes: 0 done, 2 bad config or unreadable input, 3 contract mismatch.
+Exit codes (statemachine/entry.py): OK, REFUSED (bad config or unreadable input),
+CONTRACT_MISMATCH.
 """
 
 from __future__ import annotations
@@ -31,9 +32,10 @@ import numpy as np
 
 from eagle3d.capture import contract, dumpformat, target
 from eagle3d.capture.conversations import Conversation, iter_conversations
-from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import Config, ConfigError
+from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
-from eagle3d.statemachine.logs import setup_logging
 
 log = logging.getLogger("eagle3d.planner")
 
@@ -45,10 +47,6 @@ PROGRESS_EVERY_S = 5.0
 HEAD_CHARS_PER_TOKEN = 5
 # BPE on a cut text can differ from the full text only around the cut; this margin covers that.
 HEAD_MARGIN = 64
-
-
-class ContractMismatch(RuntimeError):
-    """The dataset folder already holds dumps made under another contract."""
 
 
 def _hash(text: str) -> str:
@@ -108,7 +106,7 @@ def ensure_contract(dataset_dir: Path, wanted: dict[str, Any]) -> dict[str, Any]
     diff = contract.differences(existing, wanted)
     if diff:
         raise ContractMismatch(
-            f"{Path(dataset_dir) / contract.FILE} was made with other settings ({'; '.join(diff)});"
+            f"{layout.contract_file(dataset_dir)} was made with other settings ({'; '.join(diff)});"
             " point [paths] dataset_dir and state_dir at new folders to start a new dataset")
     return existing
 
@@ -304,36 +302,25 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
              read, planned, skipped, time.monotonic() - t0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3d.capture.planner",
-                                     description="Tokenize the configured conversations into "
-                                                 "the ledger (the daemon's plan child).")
-    parser.add_argument("-c", "--config", required=True, help="the eagle3d TOML config")
-    args = parser.parse_args(argv)
-    setup_logging("planner")
+def _run(cfg: Config, args: argparse.Namespace) -> int:
     try:
-        cfg = load_config(args.config)
         tokenizer = target.load_tokenizer(cfg.target.model_path)
         model_config = target.load_config(cfg.target.model_path)
-        wanted = build_contract(cfg, tokenizer, model_config)
-        ensure_contract(cfg.paths.dataset_dir, wanted)
-    except ConfigError as exc:
-        print(f"planner: {exc}", file=sys.stderr)
-        return 2
-    except ContractMismatch as exc:
-        print(f"planner: {exc}", file=sys.stderr)
-        return 3
     except OSError as exc:
-        print(f"planner: cannot read the target: {exc}", file=sys.stderr)
-        return 2
-    with Ledger(cfg.paths.state_dir / "ledger.sqlite") as ledger:
+        raise Refusal(f"cannot read the target: {exc}") from None
+    wanted = build_contract(cfg, tokenizer, model_config)
+    ensure_contract(cfg.paths.dataset_dir, wanted)
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         try:
             plan(cfg, ledger, tokenizer, wanted["hidden_size"])
         except (OSError, ValueError) as exc:
-            print(f"planner: cannot read the source {cfg.data.source_path}: {exc}",
-                  file=sys.stderr)
-            return 2
-    return 0
+            raise Refusal(f"cannot read the source {cfg.data.source_path}: {exc}") from None
+    return OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("planner", "Tokenize the configured conversations into the ledger (the "
+                      "daemon's plan child).", _run, argv)
 
 
 if __name__ == "__main__":

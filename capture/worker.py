@@ -7,8 +7,9 @@ Protocol (one JSON object per line, UTF-8):
             the target, then writes on stdout
               {"event": "ready", "pid": 1234, "device": "cuda:0" | "cpu", "dtype": "bfloat16"}
             Everything else the process or its libraries print goes to stderr: stdout carries the
-            protocol only. Exit 2, with a message on stderr, when the contract is missing, was
-            edited by hand, or does not fit the model.
+            protocol only. Exit REFUSED (statemachine/entry.py), with a message on stderr, when
+            the contract is missing or was edited by hand; CONTRACT_MISMATCH when the target's
+            weights or shape are not the contract's.
   request   on stdin:
               {"batch": [{"id": SID, "input_ids": [int, ...], "loss_mask": [0|1, ...]}, ...],
                "out": "/folder"}
@@ -56,7 +57,8 @@ from torch import nn
 
 from eagle3d.capture import contract, dumpformat, target
 from eagle3d.capture.hooks import LayerTap, decoder_of
-from eagle3d.statemachine.logs import setup_logging
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.entry import OK, ContractMismatch, child_main
 
 
 @dataclass(frozen=True)
@@ -361,42 +363,22 @@ class Worker:
         self.capturer.close()
 
 
-def _fail(message: str) -> int:
-    logging.getLogger("eagle3d.engine").error("%s", message)
-    return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3d.capture.worker",
-                                     description="The transformers capture engine (a daemon child; "
-                                                 "see the module docstring for its protocol).")
-    parser.add_argument("-c", "--config", required=True)
-    args = parser.parse_args(argv)
+def _serve(cfg: Config, args: argparse.Namespace) -> int:
     # stdout is the protocol; anything a library prints must not land in it.
     proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    setup_logging("engine")
-
-    from eagle3d.statemachine.config import ConfigError, load_config
-    try:
-        cfg = load_config(args.config)
-    except ConfigError as exc:
-        return _fail(str(exc))
-    doc = contract.read(cfg.paths.dataset_dir)
-    if doc is None:
-        return _fail(f"no capture contract at {cfg.paths.dataset_dir / contract.FILE}; the planner "
-                     "writes it, run it first")
-    if doc.get("fingerprint") != contract.fingerprint(doc):
-        return _fail(f"{cfg.paths.dataset_dir / contract.FILE} does not match its fingerprint "
-                     "(edited by hand?)")
+    doc = contract.read_checked(cfg.paths.dataset_dir)
+    # Before the load: a model of the right shape but other weights must never be captured.
+    contract.check_target(doc, target.fingerprint_file_or_folder(cfg.target.model_path),
+                          cfg.target.model)
     model = target.load_model(cfg.target.model_path, doc["dtype"], cfg.target.device)
     text = model.config.get_text_config()
     found = {"hidden_size": text.hidden_size, "num_layers": text.num_hidden_layers,
              "vocab_size": text.vocab_size}
     wrong = [f"{k}: contract {doc.get(k)}, model {v}" for k, v in found.items() if doc.get(k) != v]
     if wrong:
-        return _fail(f"the target does not fit the capture contract ({'; '.join(wrong)})")
+        raise ContractMismatch(f"the target does not fit the capture contract ({'; '.join(wrong)})")
 
     capturer = Capturer(model, list(doc["layer_ids"]), doc["fingerprint"],
                         cfg.extract.batch_tokens)
@@ -405,12 +387,17 @@ def main(argv: list[str] | None = None) -> int:
     device = capturer.device
     worker.emit({"event": "ready", "pid": os.getpid(),
                  "device": f"cuda:{device.index or 0}" if device.type == "cuda" else device.type,
-                 "dtype": doc["dtype"]})
+                 "dtype": doc["dtype"], "model": cfg.target.model})
     try:
         worker.serve(sys.stdin.buffer)
     except BrokenPipeError:  # the daemon is gone; nobody is left to tell
-        return 0
-    return 0
+        return OK
+    return OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("engine", "The transformers capture engine (a daemon child; see the module "
+                      "docstring for its protocol).", _serve, argv)
 
 
 if __name__ == "__main__":

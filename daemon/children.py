@@ -89,19 +89,28 @@ class Child:
                 pass
 
     def stop(self, grace: float) -> int:
-        """SIGTERM to the whole tree, SIGKILL after `grace` seconds; returns the exit code."""
+        """SIGTERM to the whole tree, SIGKILL to what is left `grace` seconds later (the whole
+        stop takes no longer); returns the exit code."""
+        deadline = time.monotonic() + grace
         tree = self.descendants()  # taken now: once the leader is gone its children are orphans
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM, tree)
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s: killing it", self.name, grace)
-        _, alive = psutil.wait_procs(tree, timeout=grace if grace > 0 else 0)
+                log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
+                            grace)
+        _, alive = psutil.wait_procs(tree, timeout=remaining(deadline, grace))
         self.signal(signal.SIGKILL, alive)
         code = self.proc.wait()
         self.pid_file.unlink(missing_ok=True)
         return code
+
+
+def remaining(deadline: float, most: float) -> float:
+    """At most `most` seconds, and never past `deadline` (a time.monotonic() value): how a stop
+    made of several waits stays inside one bound."""
+    return max(0.0, min(most, deadline - time.monotonic()))
 
 
 def end_orphans(pid_dir: Path, grace: float = 10.0) -> list[str]:

@@ -14,9 +14,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
-FOLDER = "control"
 VERBS = ("pause", "resume", "retry", "exclude", "verify-full")
 
 
@@ -26,14 +26,10 @@ class Request(NamedTuple):
     args: dict[str, Any]
 
 
-def folder(state_dir: Path) -> Path:
-    return Path(state_dir) / FOLDER
-
-
 def submit(state_dir: Path, verb: str, args: dict[str, Any]) -> str:
     """Drop a request for the daemon; returns its name, for `wait_ack`."""
     name = f"{time.time_ns()}-{os.urandom(4).hex()}"
-    atomic_write_bytes(folder(state_dir) / f"{name}.request.json",
+    atomic_write_bytes(layout.control_dir(state_dir) / f"{name}.request.json",
                        json.dumps({"verb": verb, "args": args, "pid": os.getpid()}).encode(), 0o600)
     return name
 
@@ -41,7 +37,7 @@ def submit(state_dir: Path, verb: str, args: dict[str, Any]) -> str:
 def wait_ack(state_dir: Path, name: str, timeout: float) -> dict[str, Any] | None:
     """The daemon's acknowledgement of a request; None (and the request withdrawn, so that a
     daemon starting later does not act on a request nobody waits for) when none came in time."""
-    ctl = folder(state_dir)
+    ctl = layout.control_dir(state_dir)
     ack = ctl / f"{name}.ack.json"
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -65,7 +61,7 @@ def send(state_dir: Path, verb: str, args: dict[str, Any], timeout: float) -> di
 def pending(state_dir: Path) -> list[Request | tuple[str, str]]:
     """Requests waiting, oldest first; a malformed or foreign one comes back as (name, problem)."""
     out: list[Request | tuple[str, str]] = []
-    ctl = folder(state_dir)
+    ctl = layout.control_dir(state_dir)
     try:
         names = sorted(p.name for p in ctl.iterdir() if p.name.endswith(".request.json"))
     except FileNotFoundError:
@@ -91,7 +87,7 @@ def pending(state_dir: Path) -> list[Request | tuple[str, str]]:
 
 
 def acknowledge(state_dir: Path, name: str, ok: bool, message: str) -> None:
-    ctl = folder(state_dir)
+    ctl = layout.control_dir(state_dir)
     atomic_write_bytes(ctl / f"{name}.ack.json", json.dumps({"ok": ok, "message": message}).encode(),
                        0o600)
     (ctl / f"{name}.request.json").unlink(missing_ok=True)

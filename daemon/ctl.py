@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3d.statemachine import layout, train_files
 from eagle3d.statemachine.config import Config, ConfigError, human_bytes, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
@@ -72,7 +73,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     blocking: list[dict[str, Any]] = []
     ledger_problem = None
     try:
-        with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=2.0) as ledger:
+        with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True, timeout=2.0) as ledger:
             counts = ledger.counts()
             samples.update({s: counts.get(s) for s in STATUSES})
             samples["total"] = counts.total
@@ -192,17 +193,15 @@ def results_summary(config_path: str) -> str:
         return str(exc)
     lines = [f"state:    {cfg.paths.state_dir}  (eagle3ctl -c {config_path} status)",
              f"dataset:  {cfg.paths.dataset_dir}"]
-    export = cfg.paths.train_dir / "export"
+    export = layout.export_dir(cfg.paths.train_dir)
     if export.exists():
         lines.append(f"drafter:  {export}  (SGLang: --speculative-algorithm EAGLE3 "
                      f"--speculative-draft-model-path {export})")
-    try:
-        result = json.loads((cfg.paths.train_dir / "eval.json").read_text())
+    result = train_files.read_eval(cfg.paths.train_dir)
+    if result is not None:
         lines.append(f"acceptance length: {result['acceptance_length']:.3f} tokens per target "
                      f"forward over {result.get('prompts')} held-out prompts "
-                     f"({cfg.paths.train_dir / 'eval.json'})")
-    except (OSError, ValueError, KeyError):
-        pass
+                     f"({layout.eval_file(cfg.paths.train_dir)})")
     return "\n".join(lines)
 
 
@@ -243,7 +242,7 @@ def _request(cfg: Config, verb: str, payload: dict[str, Any]) -> int:
 
 
 def cmd_samples(cfg: Config, args: argparse.Namespace) -> int:
-    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=2.0) as ledger:
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True, timeout=2.0) as ledger:
         rows = ledger.samples(args.status, args.limit)
     if args.json:
         print(json.dumps([r._asdict() for r in rows], indent=2))
@@ -256,7 +255,7 @@ def cmd_samples(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_events(cfg: Config, args: argparse.Namespace) -> int:
-    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=2.0) as ledger:
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True, timeout=2.0) as ledger:
         for t, kind, sample, detail in ledger.recent_events(args.limit):
             stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
             print(f"{stamp}  {kind:16s} {sample or '-':32s}  {detail or ''}")

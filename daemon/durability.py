@@ -109,10 +109,8 @@ def page_cache_doubt(ledger: Ledger) -> tuple[str | None, int]:
     Only events since the last settled pass are weighed, by their sequence number (the primary
     key): the events table grows with every sample, and this runs at every pass."""
     since = int(ledger.meta(TRUSTED_UPTO) or 0)
-    upto = ledger.db.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
-    rows = ledger.db.execute(
-        "SELECT seq, kind, detail FROM events WHERE seq > ? AND seq <= ? AND kind IN (?, ?, ?) "
-        "ORDER BY seq", (since, upto, "syncfs_failed", *LIFE_EVENTS)).fetchall()
+    upto = ledger.last_event_seq()
+    rows = ledger.events_of(("syncfs_failed", *LIFE_EVENTS), since, upto)
     failed = [detail for _, kind, detail in rows if kind == "syncfs_failed"]
     if failed:
         return (f"{len(failed)} dataset sync(s) failed since the last pass that read from the "
@@ -130,9 +128,7 @@ def _unclean_stop(ledger: Ledger, lives: list[tuple[int, str, str]]) -> str | No
     if not any(kind == "daemon_started" for _, kind, _ in lives):
         return None
     # The life before the first start weighed: its stop, when clean, is just before that start.
-    before = ledger.db.execute(
-        "SELECT seq, kind, detail FROM events WHERE seq < ? AND kind IN (?, ?) "
-        "ORDER BY seq DESC LIMIT 1", (lives[0][0], *LIFE_EVENTS)).fetchone()
+    before = ledger.last_event_of(LIFE_EVENTS, lives[0][0])
     chain = ([before] if before else []) + lives
     for (_, kind, detail), (_, then, _) in zip(chain, chain[1:]):
         if kind == then == "daemon_started":

@@ -25,12 +25,12 @@ from eagle3d.capture.dumpformat import DumpError
 from eagle3d.daemon import checksum
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.verify import Expected, scan
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger
 
 log = logging.getLogger("eagle3d")
 
 SHARD_SIZE = 1000
-REJECTED = "rejected"
 KEEP_REJECTED_DATA = 16  # rejected dumps kept whole for inspection; later ones keep the reason
 
 
@@ -147,7 +147,7 @@ class Ingestor:
 
     def _reject(self, path: Path, retry_sid: str | None, reason: str) -> Outcome:
         """Move the dump aside with its reason; the sample (if any) gets another attempt."""
-        rejected = self.spool / REJECTED
+        rejected = layout.rejected_dir(self.spool)
         rejected.mkdir(mode=0o700, exist_ok=True)
         target = rejected / path.name
         kept = sum(1 for p in rejected.iterdir() if not p.name.endswith(".reason.txt"))

@@ -19,6 +19,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from eagle3d.capture import dumpformat
+from eagle3d.statemachine import layout
 
 log = logging.getLogger("eagle3d")
 
@@ -95,7 +96,7 @@ class Spool:
             if name.startswith("."):
                 _remove_dead_writer_temp(entry.path, name)
             elif entry.is_dir(follow_symlinks=False):
-                if name == "rejected":
+                if name == layout.rejected_dir(self.folder).name:
                     total += sum(e.stat(follow_symlinks=False).st_size
                                  for e in os.scandir(entry.path))
             else:

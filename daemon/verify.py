@@ -30,7 +30,6 @@ from eagle3d.capture.dumpformat import DumpError, DumpHeader, TensorInfo
 from eagle3d.daemon import checksum
 
 CHUNK = 8 << 20  # a multiple of every element size, larger than any header (MAX_HEADER)
-FLOATS = ("aux_hidden_states", "last_hidden_state")
 
 # dtype -> (signed and unsigned integer views, the exponent bits). A float is Inf or NaN when its
 # exponent bits are all ones: as a signed integer, a positive one is >= the exponent mask, and as
@@ -307,7 +306,7 @@ def _compare_tensors(fa: int, a: DumpHeader, fb: int, b: DumpHeader, tolerance: 
         ta, tb = a.tensors[name], b.tensors[name]
         if _pread(fa, ta.begin, ta.end) != _pread(fb, tb.begin, tb.end):
             return f"{name} differ between the stored and the fresh dump"
-    for name in FLOATS:
+    for name in dumpformat.HIDDEN:
         error = _relative_error(fa, a.tensors[name], fb, b.tensors[name])
         if not error <= tolerance:  # NaN fails too
             return (f"{name} differs from the fresh capture: relative error {error:.4g} "

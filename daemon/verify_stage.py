@@ -15,17 +15,17 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from eagle3d.capture import contract as capture_contract
 from eagle3d.capture import dumpformat
 from eagle3d.daemon.durability import SyncFs, doubt_settled, page_cache_doubt
-from eagle3d.statemachine import manifest
+from eagle3d.statemachine import layout, manifest, stages
 from eagle3d.statemachine.config import Config
-from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.ledger import Counts, Ledger
 
 log = logging.getLogger("eagle3d")
 
-SPOT_DIR = "spotcheck"
 SYNC_RETRY_S = 30.0
 
 
@@ -116,7 +116,7 @@ class SpotCheck:
     def __init__(self, cfg: Config, ledger: Ledger) -> None:
         self.cfg = cfg
         self.ledger = ledger
-        self.folder = cfg.paths.state_dir / SPOT_DIR
+        self.folder = layout.spot_check_dir(cfg.paths.state_dir)
         self.fingerprint: str | None = None
         self.chosen: list[Any] = []
         self.deadline = 0.0
@@ -195,3 +195,90 @@ def plan_batch_item(sid: str, ids: bytes, mask: bytes) -> dict[str, Any]:
     a = array.array("i")
     a.frombytes(ids)
     return {"id": sid, "input_ids": a.tolist(), "loss_mask": list(mask)}
+
+
+class VerifyStage:
+    """Verify passes until nothing is left extracted, then (with the gate open) the spot check,
+    then the manifest that lets training start."""
+
+    def __init__(self, cfg: Config, ledger: Ledger, engine: Callable[[], Any]) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.engine = engine  # the extract stage's engine once ready, lent for the spot check
+        # Opened before anything is written, to hear of every write-back error (durability.py).
+        self.sync = SyncFs(cfg.paths.dataset_dir)
+        self.runner: VerifyRunner | None = None
+        self.contract: dict[str, Any] | None = None
+        self.spot = SpotCheck(cfg, ledger)
+        self._fingerprint: tuple[int, str] = (-1, "")
+        self._manifest: tuple[int, str | None] = (-1, None)
+
+    def configure(self, cfg: Config) -> None:
+        self.cfg = self.spot.cfg = cfg
+        if self.runner is not None:
+            self.runner.cfg = cfg
+
+    def verified_fingerprint(self) -> str:
+        """The fingerprint of the verified set, recomputed only after ledger events (cheap)."""
+        seq = self.ledger.last_event_seq()
+        if seq != self._fingerprint[0]:
+            self._fingerprint = (seq, manifest.ledger_fingerprint(self.ledger))
+        return self._fingerprint[1]
+
+    def manifest_fingerprint(self) -> str | None:
+        """The manifest's fingerprint, re-read only when the file changes (it lists every
+        sample: parsing it at every tick would cost more than the tick)."""
+        try:
+            mtime = layout.manifest_file(self.cfg.paths.dataset_dir).stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+        if self._manifest[0] != mtime:
+            doc = manifest.read(self.cfg.paths.dataset_dir)
+            self._manifest = (mtime, doc.get("fingerprint") if doc else None)
+        return self._manifest[1]
+
+    def observe(self, counts: Counts) -> dict[str, Any]:
+        # The verified set's fingerprint costs a pass over it: only worth it once the gate is
+        # open, when it changes rarely (per-sample cost must stay flat at a million samples).
+        fingerprint = self.verified_fingerprint() if stages.gate(counts).open else None
+        spot = self.spot.result(fingerprint) if fingerprint else None
+        return {"verify_complete": bool(fingerprint and spot and spot[0]
+                                        and self.manifest_fingerprint() == fingerprint),
+                "spot_check_failed": spot[1] if spot and not spot[0] else None}
+
+    def step(self, decision: stages.Decision) -> None:
+        self.spot.poll()
+        if decision.stage != stages.Stage.VERIFY:
+            return
+        if self.contract is None:  # verify comes after the plan, which wrote it
+            self.contract = capture_contract.read(self.cfg.paths.dataset_dir)
+            assert self.contract is not None
+        if self.runner is None:
+            self.runner = VerifyRunner(self.cfg, layout.ledger(self.cfg.paths.state_dir),
+                                       self.contract, self.sync)
+        counts = self.ledger.counts()
+        if counts.get("extracted"):
+            self.runner.start()
+            return
+        if self.runner.running or not stages.gate(counts).open:
+            return
+        fingerprint = self.verified_fingerprint()
+        if self.spot.result(fingerprint) is None:
+            engine = self.engine()
+            if not self.spot.waiting and engine is not None:
+                self.spot.start(fingerprint, engine)
+            return
+        write_manifest(self.cfg, self.ledger, self.contract)
+
+    def engine_exited(self) -> None:
+        self.spot.abandon()
+
+    def status(self) -> dict[str, Any] | None:
+        if self.runner is None:
+            return None
+        return {"done": self.runner.done, "total": self.runner.total,
+                "running": self.runner.running, "failures": self.runner.failures}
+
+    def eta(self, counts: Counts) -> float | None:
+        rate = self.runner.rate() if self.runner else 0.0
+        return counts.bytes.get("extracted", 0) / rate if rate > 0 else None

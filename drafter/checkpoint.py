@@ -4,15 +4,17 @@ renamed, so a kill at any moment leaves only whole checkpoints. The last KEEP ar
 from __future__ import annotations
 
 import os
+import logging
 import re
 import shutil
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from eagle3d.statemachine.atomic import fsync_dir
+
+log = logging.getLogger("eagle3d.trainer")
 
 KEEP = 2
 _NAME = re.compile(r"step-(\d{8})")
@@ -53,8 +55,7 @@ def latest(folder: Path, fingerprint: str) -> dict[str, Any] | None:
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
         if state.get("manifest_fingerprint") == fingerprint:
             return state
-        print(f"eagle3d.drafter: checkpoint {path} was made from another dataset manifest "
-              f"({state.get('manifest_fingerprint')}, now {fingerprint}); starting over",
-              file=sys.stderr)
+        log.warning("checkpoint %s was made from another dataset manifest (%s, now %s); "
+                    "starting over", path, state.get("manifest_fingerprint"), fingerprint)
         return None
     return None

@@ -15,6 +15,9 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eagle3d.capture import dumpformat
+from eagle3d.capture.dumpformat import AUX, INPUT_IDS, LAST, LOSS_MASK
+
 WINDOW = 64  # samples sorted together: larger pads less, smaller shuffles more
 
 
@@ -62,23 +65,22 @@ def load_batch(paths: list[Path], indices: list[int], device: torch.device) -> B
     rows = []
     for i in indices:
         with safe_open(str(paths[i]), framework="pt") as f:
-            rows.append({k: f.get_tensor(k) for k in ("input_ids", "loss_mask",
-                                                      "aux_hidden_states", "last_hidden_state")})
-    T = max(r["input_ids"].shape[0] for r in rows)
+            rows.append({k: f.get_tensor(k) for k in dumpformat.TENSORS})
+    T = max(r[INPUT_IDS].shape[0] for r in rows)
     B = len(rows)
-    H = rows[0]["last_hidden_state"].shape[1]
-    dtype = rows[0]["last_hidden_state"].dtype
+    H = rows[0][LAST].shape[1]
+    dtype = rows[0][LAST].dtype
     input_ids = torch.zeros(B, T, dtype=torch.int64)
     aux = torch.zeros(B, T, 3 * H, dtype=dtype)
     last = torch.zeros(B, T, H, dtype=dtype)
     targets = torch.zeros(B, T, dtype=torch.bool)
     for b, r in enumerate(rows):
-        n = r["input_ids"].shape[0]
-        input_ids[b, :n] = r["input_ids"]
-        aux[b, :n] = r["aux_hidden_states"]
-        last[b, :n] = r["last_hidden_state"]
+        n = r[INPUT_IDS].shape[0]
+        input_ids[b, :n] = r[INPUT_IDS]
+        aux[b, :n] = r[AUX]
+        last[b, :n] = r[LAST]
         # Index t's teacher predicts token t+1: it counts when that token is loss-masked.
-        targets[b, :n - 1] = r["loss_mask"][1:].bool()
+        targets[b, :n - 1] = r[LOSS_MASK][1:].bool()
     return Batch(input_ids.to(device), aux.to(device), last.to(device), targets.to(device),
-                 sum(r["input_ids"].shape[0] for r in rows))
+                 sum(r[INPUT_IDS].shape[0] for r in rows))
 

@@ -8,7 +8,7 @@ prefix and the target's own next token are kept.
 The acceptance length is the mean number of tokens each verifying target forward produces (the
 prefill, which every decoder pays, is not counted). Every prompt is also decoded plainly, one
 token per forward, and the two outputs must be identical: speculation that changes the greedy
-output is a bug, reported as such (exit code 1).
+output is a bug, reported as such (exit code DIVERGED, statemachine/entry.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import torch
 from eagle3d.drafter.export import load_export
 from eagle3d.drafter.model import KV, Eagle3Drafter
 from eagle3d.drafter.vocab import DraftVocab
+from eagle3d.statemachine import layout, train_files
+from eagle3d.statemachine.config import Config, resolve_location
+from eagle3d.statemachine.entry import DIVERGED, OK, Refusal, child_main
 
 
 class AuxCapture:
@@ -182,14 +185,7 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
             "identical_to_greedy": identical, "seconds": time.monotonic() - started}
 
 
-def main(argv: list[str] | None = None) -> int:
-    from eagle3d.capture.target import load_model, load_tokenizer, pick_device
-    from eagle3d.statemachine.atomic import atomic_write_bytes
-    from eagle3d.statemachine.config import ConfigError, load_config, resolve_location
-
-    p = argparse.ArgumentParser(prog="python -m eagle3d.drafter.evaluate",
-                                description="Acceptance length of an exported EAGLE-3 drafter.")
-    p.add_argument("-c", "--config", required=True)
+def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drafter", type=Path, help="export folder (default: <train_dir>/export)")
     p.add_argument("--source", help="conversations (default: [eval] source)")
     p.add_argument("--first", type=int)
@@ -198,17 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     p.add_argument("--out", type=Path, help="also write the JSON to this file, atomically")
-    args = p.parse_args(argv)
+
+
+def _run(cfg: Config, args: argparse.Namespace) -> int:
+    from eagle3d.capture import contract
+    from eagle3d.capture.target import (fingerprint_file_or_folder, load_model, load_tokenizer,
+                                        pick_device)
+
     try:
-        cfg = load_config(args.config)
         source = resolve_location(args.source, Path.cwd()) if args.source else cfg.eval.source_path
-    except (ConfigError, ValueError) as exc:
-        print(f"eagle3d.drafter.evaluate: {exc}", file=sys.stderr)
-        return 2
-    drafter_dir = args.drafter or cfg.paths.train_dir / "export"
+    except ValueError as exc:
+        raise Refusal(str(exc)) from None
+    drafter_dir = args.drafter or layout.export_dir(cfg.paths.train_dir)
     if not (drafter_dir / "config.json").exists():
-        print(f"eagle3d.drafter.evaluate: no exported drafter in {drafter_dir}", file=sys.stderr)
-        return 2
+        raise Refusal(f"no exported drafter in {drafter_dir}")
+    captured = contract.read(cfg.paths.dataset_dir)
+    if captured is not None:  # the drafter learned this dataset's target: measure against it
+        contract.check_target(captured, fingerprint_file_or_folder(cfg.target.model_path),
+                              cfg.target.model)
     steps = args.steps or cfg.eval.steps
     max_new = args.max_new_tokens or cfg.eval.max_new_tokens
     device = pick_device(cfg.target.device)
@@ -229,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     report = evaluate(target, drafter, vocab, layer_ids, prompts, steps, max_new, eos)
     report["drafter"] = str(drafter_dir)
     if args.out:
-        atomic_write_bytes(args.out, json.dumps(report, indent=2).encode())
+        train_files.write_eval(args.out, report)
     if args.json:
         print(json.dumps(report))
     else:
@@ -239,7 +242,12 @@ def main(argv: list[str] | None = None) -> int:
               f"per-position acceptance: "
               + " ".join(f"{a:.2f}" for a in report["per_position_acceptance"])
               + f"\nidentical to greedy decoding: {report['identical_to_greedy']}")
-    return 0 if report["identical_to_greedy"] else 1
+    return OK if report["identical_to_greedy"] else DIVERGED
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("evaluate", "Acceptance length of an exported EAGLE-3 drafter.", _run, argv,
+                      _arguments)
 
 
 if __name__ == "__main__":

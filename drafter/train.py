@@ -1,6 +1,7 @@
 """Train the EAGLE-3 drafter: `torchrun --nproc_per_node N -m eagle3d.drafter.train -c CONFIG`.
 
-Reads the verified dataset (refusing one that no longer matches the ledger, exit code 2), builds
+Reads the verified dataset (refusing one that no longer matches the ledger or a target that is
+not the dataset's, with the exit codes of statemachine/entry.py), builds
 or reloads the draft vocabulary, trains with the training-time test under DDP, checkpoints every
 [train] checkpoint_every steps and on SIGTERM, resumes from the last checkpoint of the same
 manifest, and ends with `export/` (SGLang layout), `metrics.jsonl` and `metrics.png` in the
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import signal
@@ -24,20 +26,23 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from eagle3d.capture import contract as contract_mod
+from eagle3d.capture.target import fingerprint_file_or_folder, pick_device
 from eagle3d.capture.target import load_config as load_target_config
-from eagle3d.capture.target import pick_device
 from eagle3d.drafter import checkpoint, data, loss as loss_mod, vocab as vocab_mod
 from eagle3d.drafter.export import export
 from eagle3d.drafter.model import LOSS_DECAY, DraftConfig, Eagle3Drafter
 from eagle3d.drafter.plots import plot_metrics
 from eagle3d.drafter.target_weights import load_embedding_and_head
+from eagle3d.statemachine import layout, train_files
 from eagle3d.statemachine import manifest as manifest_mod
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, LedgerError
 from eagle3d.statemachine.lifecycle import die_with_parent
 
-EXIT_REFUSED = 2
+log = logging.getLogger("eagle3d.trainer")
 
 
 @dataclass(frozen=True)
@@ -79,34 +84,19 @@ def broadcast(rt: Runtime, value: Any) -> Any:
 
 
 def checked_manifest(cfg: Config) -> dict[str, Any]:
-    """The dataset manifest, only if it names exactly the ledger's verified samples."""
+    """The dataset manifest, only if it names exactly the ledger's verified samples and the
+    target is the model the dataset was captured with."""
     try:
-        with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
             manifest = manifest_mod.read(cfg.paths.dataset_dir)
             manifest_mod.check(manifest, ledger)
     except (manifest_mod.ManifestMismatch, LedgerError) as exc:
-        raise SystemExit(f"eagle3d.drafter: refusing to train: {exc}") from None
+        raise Refusal(f"refusing to train: {exc}") from None
     if not manifest["samples"]:
-        raise SystemExit("eagle3d.drafter: refusing to train: the manifest lists no samples")
+        raise Refusal("refusing to train: the manifest lists no samples")
+    contract_mod.check_target(manifest["contract"],
+                              fingerprint_file_or_folder(cfg.target.model_path), cfg.target.model)
     return manifest
-
-
-class Progress:
-    """`progress.json`, rewritten atomically at most once a second (and at every status)."""
-
-    def __init__(self, path: Path, fingerprint: str, total_steps: int) -> None:
-        self.path, self.fingerprint, self.total_steps = path, fingerprint, total_steps
-        self.last_write = 0.0
-
-    def write(self, status: str, force: bool = True, **fields: Any) -> None:
-        now = time.monotonic()
-        if not force and now - self.last_write < 1.0:
-            return
-        self.last_write = now
-        doc = {"status": status, "step": 0, "total_steps": self.total_steps, "epoch": 0,
-               "loss": None, "acc": [], "tokens_per_s": 0.0, "eta_s": None,
-               "manifest_fingerprint": self.fingerprint, **fields}
-        atomic_write_bytes(self.path, json.dumps(doc).encode())
 
 
 def draft_vocabulary(cfg: Config, rt: Runtime, manifest: dict[str, Any], paths: list[Path],
@@ -235,165 +225,197 @@ def truncate_metrics(path: Path, step: int) -> None:
     atomic_write_bytes(path, "".join(line + "\n" for line in kept).encode())
 
 
-def train(cfg: Config, rt: Runtime) -> int:
-    train_dir = cfg.paths.train_dir
-    if rt.main:
-        train_dir.mkdir(parents=True, exist_ok=True)
-    refusal = None
-    manifest = None
+class Run:
+    """What one training run holds: built by `setup`, moved by `resume` and `train_loop`,
+    ended by `finish`."""
+
+    def __init__(self, cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
+        self.cfg, self.rt = cfg, rt
+        self.fingerprint: str = manifest["fingerprint"]
+        self.contract: dict[str, Any] = manifest["contract"]
+        self.dir = cfg.paths.train_dir
+        self.paths = data.sample_paths(manifest, cfg.paths.dataset_dir)
+        self.lengths = [s["tokens"] for s in manifest["samples"]]
+        self.progress = train_files.ProgressWriter(self.dir, self.fingerprint) if rt.main else None
+        self.step = self.epoch = self.pos = 0
+
+
+def agreed_manifest(cfg: Config, rt: Runtime) -> dict[str, Any]:
+    """Rank 0 checks the manifest; every rank gets it, or the same refusal."""
+    manifest, refusal = None, None
     if rt.main:
         try:
             manifest = checked_manifest(cfg)
-        except SystemExit as exc:
-            refusal = str(exc)
+        except Refusal as exc:
+            refusal = exc
     refusal = broadcast(rt, refusal)
-    if refusal:
-        if rt.main:
-            print(refusal, file=sys.stderr)
-        return EXIT_REFUSED
-    manifest = broadcast(rt, manifest)
-    fp = manifest["fingerprint"]
-    contract = manifest["contract"]
-    progress = Progress(train_dir / "progress.json", fp, 0) if rt.main else None
-    if progress:
-        progress.write("loading")
+    if refusal is not None:
+        raise refusal
+    return broadcast(rt, manifest)
 
-    paths = data.sample_paths(manifest, cfg.paths.dataset_dir)
-    lengths = [s["tokens"] for s in manifest["samples"]]
+
+def setup(cfg: Config, rt: Runtime) -> Run:
+    """The model, optimizer, schedule and data plan of a run, from the checked manifest."""
+    if rt.main:
+        cfg.paths.train_dir.mkdir(parents=True, exist_ok=True)
+    manifest = agreed_manifest(cfg, rt)
+    run = Run(cfg, rt, manifest)
+    if run.progress:
+        run.progress.write(train_files.LOADING)
     target_cfg = load_target_config(cfg.target.model_path)
-    if contract.get("hidden_size", target_cfg.hidden_size) != target_cfg.hidden_size:
-        raise SystemExit(f"eagle3d.drafter: the dataset was captured with hidden size "
-                         f"{contract['hidden_size']}, the target has {target_cfg.hidden_size}")
-    draft_vocab = draft_vocabulary(cfg, rt, manifest, paths, target_cfg.vocab_size)
+    if run.contract.get("hidden_size", target_cfg.hidden_size) != target_cfg.hidden_size:
+        raise ContractMismatch(f"the dataset was captured with hidden size "
+                               f"{run.contract['hidden_size']}, the target has "
+                               f"{target_cfg.hidden_size}")
+    run.draft_vocab = draft_vocabulary(cfg, rt, manifest, run.paths, target_cfg.vocab_size)
     embed, head = load_embedding_and_head(cfg.target.model_path)
     torch.manual_seed(cfg.train.seed)
-    model, teacher_head = build_drafter(DraftConfig.from_target(target_cfg, draft_vocab.size),
-                                        embed, head[draft_vocab.target_ids], rt.device)
+    run.model, run.teacher_head = build_drafter(
+        DraftConfig.from_target(target_cfg, run.draft_vocab.size), embed,
+        head[run.draft_vocab.target_ids], rt.device)
     del embed, head
-    ddp = (torch.nn.parallel.DistributedDataParallel(
-        model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-        broadcast_buffers=False) if rt.world > 1 else model)
-    optimizer = make_optimizer(model, cfg.train.lr, cfg.train.weight_decay)
-    plans = epoch_plans(cfg, rt, lengths)
-    total = sum(len(p) for p in plans)
+    run.ddp = (torch.nn.parallel.DistributedDataParallel(
+        run.model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
+        broadcast_buffers=False) if rt.world > 1 else run.model)
+    run.optimizer = make_optimizer(run.model, cfg.train.lr, cfg.train.weight_decay)
+    run.plans = epoch_plans(cfg, rt, run.lengths)
+    run.total = sum(len(p) for p in run.plans)
     if cfg.train.max_steps:
-        total = min(total, cfg.train.max_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
-                                                  schedule(cfg.train.warmup_steps, total))
+        run.total = min(run.total, cfg.train.max_steps)
+    run.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        run.optimizer, schedule(cfg.train.warmup_steps, run.total))
+    if run.progress:
+        run.progress.total_steps = run.total
+    return run
 
-    step, epoch, pos = 0, 0, 0
-    state = checkpoint.latest(train_dir / "checkpoints", fp) if rt.main else None
+
+def resume(run: Run) -> None:
+    """Continue from the last checkpoint of this manifest, if there is one."""
+    rt = run.rt
+    state = checkpoint.latest(layout.checkpoint_dir(run.dir), run.fingerprint) if rt.main else None
     state = broadcast(rt, state)
     if state is not None:
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, epoch, pos = state["step"], state["epoch"], state["pos"]
+        run.model.load_state_dict(state["model"])
+        run.optimizer.load_state_dict(state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+        run.step, run.epoch, run.pos = state["step"], state["epoch"], state["pos"]
         if state["world"] != rt.world:
-            pos = pos * state["world"] // rt.world
+            run.pos = run.pos * state["world"] // rt.world
             if rt.main:
-                print(f"eagle3d.drafter: resuming a {state['world']}-process run with "
-                      f"{rt.world} processes: the rest of epoch {epoch} is approximated",
-                      file=sys.stderr)
+                log.warning("resuming a %d-process run with %d processes: the rest of epoch %d "
+                            "is approximated", state["world"], rt.world, run.epoch)
         restore_rng(rt, state["rng"])
         if rt.main:
-            print(f"eagle3d.drafter: resuming at step {step} of {total}", file=sys.stderr)
+            log.info("resuming at step %d of %d", run.step, run.total)
     if rt.main:
-        truncate_metrics(train_dir / "metrics.jsonl", step)
-        progress.total_steps = total
+        truncate_metrics(layout.metrics_file(run.dir), run.step)
 
-    def save_checkpoint() -> None:
-        rng = rng_states(rt)
-        if rt.main:
-            checkpoint.save(train_dir / "checkpoints", step, {
-                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(), "step": step, "epoch": epoch, "pos": pos,
-                "world": rt.world, "rng": rng, "manifest_fingerprint": fp,
-                "draft_config": model.cfg.to_dict()})
-        if rt.world > 1:
-            dist.barrier()
 
-    stop = Stop()
-    started, started_step, last_log = time.monotonic(), step, 0.0
-    metrics = open(train_dir / "metrics.jsonl", "a") if rt.main else None
-    while step < total:
-        tick = time.monotonic()
-        batch = data.load_batch(paths, plans[epoch][pos], rt.device)
-        _, per_step, correct, counted = train_step(ddp, optimizer, batch, teacher_head,
-                                                   cfg.train.ttt_steps, cfg.train.grad_clip)
-        lr = scheduler.get_last_lr()[0]
-        scheduler.step()
-        step, pos = step + 1, pos + 1
-        if pos == len(plans[epoch]):
-            epoch, pos = epoch + 1, 0
-        stats = torch.cat([per_step.float() * counted, correct.float(), counted.float(),
-                           torch.tensor([float(batch.tokens)], device=rt.device)])
-        if rt.world > 1:
-            dist.all_reduce(stats)
-        k = cfg.train.ttt_steps
-        n = stats[2 * k:3 * k].clamp(min=1)
-        step_loss = (stats[:k] / n).tolist()
-        acc = (stats[k:2 * k] / n).tolist()
-        elapsed = time.monotonic() - tick
-        tokens_per_s = stats[-1].item() / max(elapsed, 1e-9)
-        if rt.main:
-            weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
-            done_epochs = epoch + pos / len(plans[epoch]) if epoch < len(plans) else len(plans)
-            row = {"step": step, "epoch": done_epochs,
-                   "loss": weighted, "loss_per_step": step_loss, "acc": acc,
-                   "tokens_per_s": tokens_per_s, "lr": lr}
-            metrics.write(json.dumps(row) + "\n")
-            metrics.flush()
-            rate = (time.monotonic() - started) / (step - started_step)
-            progress.write("training", force=step == total, step=step, epoch=row["epoch"],
-                           loss=weighted, acc=acc, tokens_per_s=tokens_per_s,
-                           eta_s=rate * (total - step))
-            if time.monotonic() - last_log > 10 or step == total:
-                last_log = time.monotonic()
-                print(f"step {step}/{total} loss {weighted:.3f} acc "
-                      f"{' '.join(f'{a:.2f}' for a in acc)} {tokens_per_s:.0f} tok/s",
-                      file=sys.stderr, flush=True)
-        stopping = stop.agreed(rt)
-        if step % cfg.train.checkpoint_every == 0 or stopping or step == total:
-            save_checkpoint()
-        if stopping:
-            if rt.main:
-                print(f"eagle3d.drafter: stopped by SIGTERM at step {step}, checkpoint saved",
-                      file=sys.stderr)
-            return 0
-    if metrics:
-        metrics.close()
-    if rt.main:
-        progress.write("exporting", step=step, epoch=float(len(plans)))
-        export(model, draft_vocab, contract, train_dir / "export")
-        plot_metrics(train_dir / "metrics.jsonl", train_dir / "metrics.png")
-        last = json.loads((train_dir / "metrics.jsonl").read_text().splitlines()[-1]) \
-            if (train_dir / "metrics.jsonl").stat().st_size else {}
-        progress.write("done", step=step, epoch=float(len(plans)), loss=last.get("loss"),
-                       acc=last.get("acc", []), eta_s=0.0)
-    if rt.world > 1:
+def save_checkpoint(run: Run) -> None:
+    rng = rng_states(run.rt)
+    if run.rt.main:
+        checkpoint.save(layout.checkpoint_dir(run.dir), run.step, {
+            "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
+            "pos": run.pos, "world": run.rt.world, "rng": rng,
+            "manifest_fingerprint": run.fingerprint, "draft_config": run.model.cfg.to_dict()})
+    if run.rt.world > 1:
         dist.barrier()
-    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m eagle3d.drafter.train",
-                                     description="Train the EAGLE-3 drafter (run under torchrun).")
-    parser.add_argument("-c", "--config", required=True, help="the eagle3d TOML config")
-    args = parser.parse_args(argv)
-    # If torchrun dies (with the daemon, by kill -9), checkpoint and stop instead of lingering.
-    die_with_parent(signal.SIGTERM)
+def train_loop(run: Run) -> bool:
+    """Step until the last step or an agreed SIGTERM (checkpointed); True when stopped early."""
+    cfg, rt = run.cfg, run.rt
+    stop = Stop()
+    started, started_step, last_log = time.monotonic(), run.step, 0.0
+    metrics = open(layout.metrics_file(run.dir), "a") if rt.main else None
     try:
-        cfg = load_config(args.config)
-    except ConfigError as exc:
-        print(f"eagle3d.drafter: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
+        while run.step < run.total:
+            tick = time.monotonic()
+            batch = data.load_batch(run.paths, run.plans[run.epoch][run.pos], rt.device)
+            _, per_step, correct, counted = train_step(run.ddp, run.optimizer, batch,
+                                                       run.teacher_head, cfg.train.ttt_steps,
+                                                       cfg.train.grad_clip)
+            lr = run.scheduler.get_last_lr()[0]
+            run.scheduler.step()
+            run.step, run.pos = run.step + 1, run.pos + 1
+            if run.pos == len(run.plans[run.epoch]):
+                run.epoch, run.pos = run.epoch + 1, 0
+            stats = torch.cat([per_step.float() * counted, correct.float(), counted.float(),
+                               torch.tensor([float(batch.tokens)], device=rt.device)])
+            if rt.world > 1:
+                dist.all_reduce(stats)
+            k = cfg.train.ttt_steps
+            n = stats[2 * k:3 * k].clamp(min=1)
+            step_loss = (stats[:k] / n).tolist()
+            acc = (stats[k:2 * k] / n).tolist()
+            tokens_per_s = stats[-1].item() / max(time.monotonic() - tick, 1e-9)
+            if metrics is not None and run.progress is not None:
+                weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
+                done_epochs = run.epoch + run.pos / len(run.plans[run.epoch]) \
+                    if run.epoch < len(run.plans) else len(run.plans)
+                row = {"step": run.step, "epoch": done_epochs, "loss": weighted,
+                       "loss_per_step": step_loss, "acc": acc, "tokens_per_s": tokens_per_s,
+                       "lr": lr}
+                metrics.write(json.dumps(row) + "\n")
+                metrics.flush()
+                rate = (time.monotonic() - started) / (run.step - started_step)
+                run.progress.write(train_files.TRAINING, force=run.step == run.total,
+                                   step=run.step, epoch=done_epochs, loss=weighted, acc=acc,
+                                   tokens_per_s=tokens_per_s, eta_s=rate * (run.total - run.step))
+                if time.monotonic() - last_log > 10 or run.step == run.total:
+                    last_log = time.monotonic()
+                    log.info("step %d/%d loss %.3f acc %s %.0f tok/s", run.step, run.total,
+                             weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s)
+            stopping = stop.agreed(rt)
+            if run.step % cfg.train.checkpoint_every == 0 or stopping or run.step == run.total:
+                save_checkpoint(run)
+            if stopping:
+                if rt.main:
+                    log.info("stopped by SIGTERM at step %d, checkpoint saved", run.step)
+                return True
+    finally:
+        if metrics is not None:
+            metrics.close()
+    return False
+
+
+def finish(run: Run) -> None:
+    """Export the drafter in SGLang's layout, plot the curves, and say it is done."""
+    if run.progress is not None:
+        epochs = float(len(run.plans))
+        run.progress.write(train_files.EXPORTING, step=run.step, epoch=epochs)
+        export(run.model, run.draft_vocab, run.contract, layout.export_dir(run.dir))
+        metrics = layout.metrics_file(run.dir)
+        plot_metrics(metrics, layout.metrics_plot(run.dir))
+        last = json.loads(metrics.read_text().splitlines()[-1]) if metrics.stat().st_size else {}
+        run.progress.write(train_files.DONE, step=run.step, epoch=epochs, loss=last.get("loss"),
+                           acc=last.get("acc", []), eta_s=0.0)
+    if run.rt.world > 1:
+        dist.barrier()
+
+
+def train(cfg: Config, rt: Runtime) -> int:
+    run = setup(cfg, rt)
+    resume(run)
+    if not train_loop(run):
+        finish(run)
+    return OK
+
+
+def _run(cfg: Config, args: argparse.Namespace) -> int:
     rt = init_runtime(cfg)
     try:
         return train(cfg, rt)
     finally:
         if rt.world > 1 and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    # If torchrun dies (with the daemon, by kill -9), checkpoint and stop instead of lingering.
+    die_with_parent(signal.SIGTERM)
+    return child_main("trainer", "Train the EAGLE-3 drafter (run under torchrun).", _run, argv)
 
 
 if __name__ == "__main__":

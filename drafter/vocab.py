@@ -16,8 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-FILE = "vocab.safetensors"
-
+from eagle3d.capture import dumpformat
+from eagle3d.statemachine import layout
 
 @dataclass(frozen=True)
 class DraftVocab:
@@ -52,22 +52,23 @@ def count_loss_tokens(sample_paths: Iterable[Path], vocab_size: int) -> torch.Te
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for path in sample_paths:
         with safe_open(str(path), framework="pt") as f:
-            ids = f.get_tensor("input_ids").to(torch.int64)
-            mask = f.get_tensor("loss_mask").bool()
+            ids = f.get_tensor(dumpformat.INPUT_IDS).to(torch.int64)
+            mask = f.get_tensor(dumpformat.LOSS_MASK).bool()
         counts += torch.bincount(ids[mask], minlength=vocab_size)[:vocab_size]
     return counts
 
 
 def save(vocab: DraftVocab, folder: Path, fingerprint: str) -> None:
-    tmp = Path(folder) / f".{FILE}.tmp"
+    path = layout.vocab_file(folder)
+    tmp = path.with_name(f".{path.name}.tmp")
     save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, str(tmp),
               metadata={"manifest_fingerprint": fingerprint})
-    tmp.rename(Path(folder) / FILE)
+    tmp.rename(path)
 
 
 def load(folder: Path, fingerprint: str) -> DraftVocab | None:
     """The vocabulary saved with this run, or None when there is none for this manifest."""
-    path = Path(folder) / FILE
+    path = layout.vocab_file(folder)
     if not path.exists():
         return None
     with safe_open(str(path), framework="pt") as f:

@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.atomic import atomic_write_bytes
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -175,6 +178,55 @@ class Config(NamedTuple):
                 "max_tokens": self.data.max_tokens}
 
 
+# ---- the config in force ---------------------------------------------------------------------
+
+# Fields computed from others while validating: not part of what an operator writes.
+_DERIVED = ("model_path", "source_path")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def to_toml(cfg: Config) -> str:
+    """The config as a TOML document that loads back to the same Config from any folder."""
+    import tomli_w  # only the daemon writes it; eagle3ctl must start in a blink
+    doc: dict[str, Any] = {}
+    for section in Config._fields[1:]:
+        values = getattr(cfg, section)._asdict()
+        doc[section] = {k: _plain(v) for k, v in values.items() if k not in _DERIVED}
+    doc["target"]["aux_layers"] = list(cfg.target.aux_layers or ()) or "default"
+    return ("# The config in force, written by the eagle3d daemon: every child starts from this\n"
+            f"# file. Edit {cfg.path} instead, then reload (systemctl reload eagle3d).\n"
+            + tomli_w.dumps(doc))
+
+
+def write_in_force(cfg: Config) -> Path:
+    """Write the config the daemon holds where every child reads it; returns the path."""
+    path = layout.config_in_force(cfg.paths.state_dir)
+    atomic_write_bytes(path, to_toml(cfg).encode())
+    return path
+
+
+def reload_problem(old: Config, new: Config) -> str | None:
+    """Why a new config cannot be taken on the fly, or None."""
+    if new.paths != old.paths:
+        return ("[paths] changed: restart the daemon to switch to other folders "
+                "(systemctl restart eagle3d)")
+    a, b = old.contract_keys(), new.contract_keys()
+    changed = [k for k in a if a[k] != b[k]]
+    if changed:
+        return (f"{', '.join(changed)} would break the dataset's capture contract; point "
+                "[paths] dataset_dir and state_dir at new folders for a new dataset")
+    if new.target.engine != old.target.engine:
+        return "[target] engine changed: restart the daemon to switch engines"
+    return None
+
+
 # ---- validation -------------------------------------------------------------------------------
 
 class _Checker:
@@ -283,13 +335,14 @@ def parse_config(raw: dict, path: Path) -> Config:
     target = chk.build(TargetConfig, "target", chk.section(raw, "target", True), {
         "model": _STR, "engine": _typed(str, choices=ENGINES), "dtype": _typed(str, choices=DTYPES),
         "aux_layers": _aux_layers, "device": _typed(str, choices=("auto", "cpu", "cuda"))})
-    target = target._replace(model_path=_existing(chk, "target.model", target.model,
-                                                              base, remote_ok=True))
+    model_path = _existing(chk, "target.model", target.model, base, remote_ok=True)
+    target = target._replace(model=_spelled(target.model, model_path), model_path=model_path)
 
     data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
         "source": _STR, "format": _typed(str, choices=FORMATS), "first": _NONNEG_INT,
         "limit": _POS_INT, "max_tokens": _typed(int, minimum=8)})
-    data = data._replace(source_path=_existing(chk, "data.source", data.source, base))
+    source_path = _existing(chk, "data.source", data.source, base)
+    data = data._replace(source=_spelled(data.source, source_path), source_path=source_path)
 
     paths_raw = chk.section(raw, "paths", True)
     paths = chk.build(PathsConfig, "paths", paths_raw, {
@@ -327,8 +380,8 @@ def parse_config(raw: dict, path: Path) -> Config:
     ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
         "source": _STR, "first": _NONNEG_INT, "limit": _POS_INT,
         "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _POS_INT})
-    ev = ev._replace(source=ev.source or data.source,
-                             source_path=_existing(chk, "eval.source", ev.source or data.source, base))
+    eval_path = _existing(chk, "eval.source", ev.source or data.source, base)
+    ev = ev._replace(source=_spelled(ev.source or data.source, eval_path), source_path=eval_path)
 
     sglang = chk.build(SGLangConfig, "sglang", chk.section(raw, "sglang"), {
         "python": _STR, "tp": _typed(int, minimum=1, maximum=64), "host": _STR,
@@ -351,6 +404,16 @@ def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool =
             return Path(value)
         raise chk.fail(key, f"{value!r} does not exist (resolved to {resolved})")
     return resolved.resolve()
+
+
+def _spelled(value: str, resolved: Path) -> str:
+    """The spelling a location keeps in the config in force: a relative path becomes absolute,
+    so that the copy the daemon writes into its state folder names the same file; package
+    (`pkg:`) and hub names stay as written."""
+    if value.startswith("pkg:") or Path(os.path.expanduser(value)).is_absolute() or \
+            not resolved.is_absolute():
+        return value
+    return str(resolved)
 
 
 def _dir(chk: _Checker, key: str, value: Any, base: Path) -> Path:

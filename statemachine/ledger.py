@@ -200,6 +200,30 @@ class Ledger:
         (db or self.db).execute("INSERT INTO events (t, kind, sample, detail) VALUES (?, ?, ?, ?)",
                                 (time.time(), kind, sample, detail))
 
+    def clear_meta(self, key: str) -> None:
+        self.db.execute("DELETE FROM meta WHERE key = ?", (key,))
+
+    def last_event_seq(self) -> int:
+        """The sequence number of the newest event (0 for none): it grows with every change."""
+        return self.db.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+
+    def events_of(self, kinds: Sequence[str], after: int = 0,
+                  upto: int | None = None) -> list[tuple[int, str, str]]:
+        """(seq, kind, detail) of the events of these kinds with after < seq <= upto, oldest
+        first."""
+        marks = ", ".join("?" * len(kinds))
+        return self.db.execute(
+            f"SELECT seq, kind, detail FROM events WHERE seq > ? AND seq <= ? AND kind IN ({marks})"
+            " ORDER BY seq", (after, self.last_event_seq() if upto is None else upto, *kinds)
+        ).fetchall()
+
+    def last_event_of(self, kinds: Sequence[str], before: int) -> tuple[int, str, str] | None:
+        """The newest event of these kinds with seq < before."""
+        marks = ", ".join("?" * len(kinds))
+        return self.db.execute(
+            f"SELECT seq, kind, detail FROM events WHERE seq < ? AND kind IN ({marks}) "
+            "ORDER BY seq DESC LIMIT 1", (before, *kinds)).fetchone()
+
     def recent_events(self, limit: int = 20) -> list[tuple[float, str, str | None, str]]:
         rows = self.db.execute("SELECT t, kind, sample, detail FROM events ORDER BY seq DESC "
                                "LIMIT ?", (limit,)).fetchall()
@@ -343,6 +367,19 @@ class Ledger:
     def mark_verified(self, sid: str, stat: str) -> bool:
         return self._move(sid, ("extracted", "verified"), "verified", "verified",
                           verified_stat=stat)
+
+    def unverify_all(self, reason: str) -> int:
+        """Every verified sample back to extracted, to be verified again: a transition guarded
+        by the state it comes from and one event per sample, in one transaction (a million
+        samples must not cost a million commits)."""
+        now = time.time()
+        with self.transaction() as db:
+            ids = [(sid,) for sid, in db.execute("SELECT id FROM samples WHERE status = 'verified'")]
+            db.executemany("UPDATE samples SET status = 'extracted', updated_at = ? WHERE id = ? "
+                           "AND status = 'verified'", [(now, sid) for sid, in ids])
+            db.executemany("INSERT INTO events (t, kind, sample, detail) VALUES (?, ?, ?, ?)",
+                           [(now, "unverified", sid, reason) for sid, in ids])
+        return len(ids)
 
     def requeue_inflight(self, reason: str) -> int:
         """Back to pending for what no engine is working on (after a restart); the attempt it

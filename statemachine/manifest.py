@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 from typing import Any, Iterable
 
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.ledger import Ledger
 
-FILE = "manifest.json"
 
 
 class ManifestMismatch(RuntimeError):
@@ -41,12 +41,12 @@ def build(ledger: Ledger, contract: dict[str, Any]) -> dict[str, Any]:
 
 
 def write(dataset_dir: Path, manifest: dict[str, Any]) -> None:
-    atomic_write_bytes(Path(dataset_dir) / FILE, json.dumps(manifest).encode())
+    atomic_write_bytes(layout.manifest_file(dataset_dir), json.dumps(manifest).encode())
 
 
 def read(dataset_dir: Path) -> dict[str, Any] | None:
     try:
-        return json.loads((Path(dataset_dir) / FILE).read_bytes())
+        return json.loads(layout.manifest_file(dataset_dir).read_bytes())
     except FileNotFoundError:
         return None
     except ValueError:

@@ -16,9 +16,9 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
-FILE = "state.toml"
 
 
 def _clean(value: Any) -> Any:
@@ -32,18 +32,18 @@ def _clean(value: Any) -> Any:
 
 def write_state(state_dir: Path, state: dict[str, Any]) -> None:
     import tomli_w  # here, not at the top: eagle3ctl only reads, and must start in a blink
-    atomic_write_bytes(Path(state_dir) / FILE, tomli_w.dumps(_clean(state)).encode())
+    atomic_write_bytes(layout.state_file(state_dir), tomli_w.dumps(_clean(state)).encode())
 
 
 def read_state(state_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     """(state, problem): a missing or damaged file is reported, never raised."""
-    path = Path(state_dir) / FILE
+    path = layout.state_file(state_dir)
     try:
         state = tomllib.loads(path.read_bytes().decode("utf-8"))
         if "stage" not in state:
             return None, f"{path} is incomplete (no stage); the daemon rewrites it every few seconds"
         return state, None
     except FileNotFoundError:
-        return None, f"no {FILE} yet (the daemon has not run with this config)"
+        return None, f"no {path.name} yet (the daemon has not run with this config)"
     except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         return None, f"{path} is unreadable ({exc}); the daemon rewrites it every few seconds"

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from tests.conftest import venv_bin
+import tomli_w
+
+from tests.conftest import venv_bin, write_conversations
 
 
 def status(config: Path) -> dict[str, Any]:
@@ -105,3 +107,23 @@ def fill_file_system(folder: Path) -> Path:
             except OSError:
                 pass
     return ballast
+
+
+def messages_config(config_factory: Callable[..., Path], tmp_path: Path, n: int,
+                    **sections: dict[str, Any]) -> Path:
+    """A config over n of 60 short generated conversations, without spot checks."""
+    source = write_conversations(tmp_path / "conv.jsonl", 60)
+    merged: dict[str, dict[str, Any]] = {
+        "data": {"source": str(source), "format": "messages", "limit": n},
+        "verify": {"spot_checks": 0}}
+    for section, values in sections.items():
+        merged.setdefault(section, {}).update(values)
+    return config_factory(merged)
+
+
+def edit_config(config: Path, section: str, **values: Any) -> None:
+    """Change keys of one section, as an operator editing the file would."""
+    import tomllib
+    doc = tomllib.loads(config.read_text())
+    doc[section].update(values)
+    config.write_text(tomli_w.dumps(doc))

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from eagle3d.daemon import control
+from eagle3d.statemachine import layout
 from tests.conftest import venv_bin, write_conversations
 
 
@@ -76,7 +77,7 @@ def test_control_requests_against_a_running_daemon(tmp_path, config_factory):
         assert bad.returncode == 1 and "unknown sample ids" in bad.stderr
         state_dir = tmp_path / "state"
         # A request of an unknown verb, and one from a file owned by someone else.
-        ctl_dir = control.folder(state_dir)
+        ctl_dir = layout.control_dir(state_dir)
         (ctl_dir / "1-a.request.json").write_text(json.dumps({"verb": "format-disk"}))
         foreign = ctl_dir / "2-b.request.json"
         foreign.write_text(json.dumps({"verb": "resume"}))

@@ -12,21 +12,10 @@ import uuid
 
 import psutil
 import pytest
-import tomli_w
 
-from tests.conftest import write_conversations
-from tests.pipeline import DaemonProcess, status, wait_for
+from tests.pipeline import DaemonProcess, edit_config, messages_config, status, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def messages_config(config_factory, tmp_path, n: int, **sections):
-    source = write_conversations(tmp_path / "conv.jsonl", 60)
-    merged = {"data": {"source": str(source), "format": "messages", "limit": n},
-              "verify": {"spot_checks": 0}}
-    for k, v in sections.items():
-        merged.setdefault(k, {}).update(v)
-    return config_factory(merged)
 
 
 def test_sd_notify_ready_status_watchdog_and_stopping(config_factory, tmp_path):
@@ -74,24 +63,17 @@ def test_sd_notify_ready_status_watchdog_and_stopping(config_factory, tmp_path):
         os.unlink(sock_path)
 
 
-def rewrite(config, section: str, **values) -> None:
-    import tomllib
-    doc = tomllib.loads(config.read_text())
-    doc[section].update(values)
-    config.write_text(tomli_w.dumps(doc))
-
-
 def test_sighup_adds_samples_and_refuses_a_contract_change(config_factory, tmp_path):
     config = messages_config(config_factory, tmp_path, 8)
     with DaemonProcess(config, "--until", "train") as d:
         d.status_until(lambda s: s["samples"]["total"] == 8 and s["stage"] == "extract", 300,
                        "the first plan")
-        rewrite(config, "target", dtype="float32")
+        edit_config(config, "target", dtype="float32")
         d.proc.send_signal(signal.SIGHUP)
         st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refusal")
         assert "dtype" in st["config_problem"] and "contract" in st["config_problem"]
-        rewrite(config, "target", dtype="bfloat16")
-        rewrite(config, "data", limit=14)
+        edit_config(config, "target", dtype="bfloat16")
+        edit_config(config, "data", limit=14)
         d.proc.send_signal(signal.SIGHUP)
         assert d.wait(600) == 0, d.output()[-4000:]
     st = status(config)

@@ -83,7 +83,7 @@ def test_a_world_writable_state_folder_is_refused(config_factory, tmp_path, figu
 
 
 def raw_request(state_dir, body: bytes, name: str) -> str:
-    path = control.folder(state_dir) / f"{name}.request.json"
+    path = layout.control_dir(state_dir) / f"{name}.request.json"
     path.write_bytes(body)
     path.chmod(0o600)
     return name
@@ -94,7 +94,7 @@ def test_bad_control_requests_are_refused_and_the_daemon_goes_on(config_factory,
     config = chaos_config(config_factory, tmp_path, 4)
     cfg = load_config(config)
     sd = cfg.paths.state_dir
-    control.folder(sd).mkdir(parents=True, mode=0o700)
+    layout.control_dir(sd).mkdir(parents=True, mode=0o700)
     # Paused from its first tick: no planner, no engine; the control loop is what is tested.
     control.submit(sd, "pause", {"reason": "chaos: operator input"})
     with DaemonProcess(config) as d:
@@ -114,7 +114,7 @@ def test_bad_control_requests_are_refused_and_the_daemon_goes_on(config_factory,
              "unknown sample ids"),
         ]
         foreign = raw_request(sd, b'{"verb": "resume", "args": {}}', "5-foreign")
-        os.chown(control.folder(sd) / f"{foreign}.request.json", 65534, 65534)
+        os.chown(layout.control_dir(sd) / f"{foreign}.request.json", 65534, 65534)
         requests.append((foreign, "owned by uid 65534"))
         for name, expect in requests:
             reply = control.wait_ack(sd, name, 30)

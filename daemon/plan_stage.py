@@ -1,0 +1,91 @@
+"""The plan stage: the planner child tokenizes the configured slice into the ledger.
+
+Whether the plan is complete is read from the ledger's `plan.*` keys, never from the child's exit:
+the stage may move on before the exit is seen, and a restart must reach the same answer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+from eagle3d.daemon.children import Child, remaining
+from eagle3d.statemachine import entry, layout
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Decision, Stage
+
+MAX_FAILURES = 3
+
+
+class PlanStage:
+    def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.pid_dir = pid_dir
+        self.child: Child | None = None
+        self.failures = 0
+        self.blocked: str | None = None
+
+    def complete(self) -> bool:
+        meta = self.ledger.meta
+        through = meta("plan.through")
+        if through is None or self.conflict() is not None or meta("plan.source") is None:
+            return False
+        return int(through) >= self.cfg.data.first + self.cfg.data.limit - 1 or \
+            meta("plan.exhausted") == "1"
+
+    def conflict(self) -> str | None:
+        """A config whose data slice no longer matches what this ledger was planned from."""
+        meta = self.ledger.meta
+        if meta("plan.source") is None:
+            return None
+        changed = [k for k, v in (("source", self.cfg.data.source),
+                                  ("first", str(self.cfg.data.first)),
+                                  ("max_tokens", str(self.cfg.data.max_tokens)))
+                   if meta(f"plan.{k}") != v]
+        if not changed:
+            return None
+        return (f"[data] {', '.join(changed)} changed since this dataset was planned "
+                f"(was {', '.join(str(meta('plan.' + k)) for k in changed)}); point [paths] "
+                "state_dir and dataset_dir at new folders to start a new dataset")
+
+    def observe(self) -> dict[str, Any]:
+        return {"plan_complete": self.complete(), "blocked": self.blocked or self.conflict()}
+
+    def step(self, decision: Decision) -> None:
+        """Start the planner when the plan is wanted; reap it whenever it exits."""
+        if self.child is None:
+            if decision.stage == Stage.PLAN:
+                self.child = Child("planner", [sys.executable, "-m", "eagle3d.capture.planner",
+                                               "-c", str(layout.config_in_force(
+                                                   self.cfg.paths.state_dir))], self.pid_dir)
+            return
+        code = self.child.poll()
+        if code is None:
+            return
+        self.child = None
+        if code == entry.OK:
+            self.failures = 0
+        elif code == entry.CONTRACT_MISMATCH:
+            self.blocked = ("the config does not match this dataset's capture contract; see the "
+                            "log for the differences, and point [paths] dataset_dir and "
+                            "state_dir at new folders to start a new dataset")
+        else:
+            self.failures += 1
+            if self.failures >= MAX_FAILURES:
+                self.blocked = f"the planner failed {self.failures} times (exit {code}); see the log"
+
+    def unblock(self) -> None:
+        """The operator retried, or a new config was taken: try again."""
+        self.blocked = None
+        self.failures = 0
+
+    def status(self) -> dict[str, Any]:
+        return {"running": self.child is not None, "failures": self.failures}
+
+    def stop(self, deadline: float) -> None:
+        if self.child is not None:
+            self.child.stop(remaining(deadline, 10.0))
+            self.child = None

@@ -1,0 +1,57 @@
+"""The operator's requests (eagle3ctl pause, resume, retry, exclude, verify --full), answered
+through daemon/control.py's request files. Each handler returns the answer for the operator or
+raises ValueError with what was wrong with the request.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from eagle3d.daemon import control
+from eagle3d.statemachine.ledger import Ledger
+
+
+def _ids(args: dict[str, Any]) -> list[str]:
+    ids = args.get("ids")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, str) for i in ids):
+        raise ValueError("give one or more sample ids")
+    return ids
+
+
+def _known(ledger: Ledger, ids: list[str]) -> list[str]:
+    unknown = [i for i in ids if ledger.sample(i) is None]
+    if unknown:
+        raise ValueError(f"unknown sample ids: {', '.join(unknown[:5])}")
+    return ids
+
+
+def handle(request: control.Request, ledger: Ledger, unblock: Callable[[bool], None]) -> str:
+    """Apply one request. `unblock(all_failed)` clears what a retry should clear in the stages
+    (a trainer's failure only when every failed sample is retried)."""
+    args = request.args
+    if request.verb == "pause":
+        reason = str(args.get("reason") or "no reason given")
+        ledger.set_meta("pause", f"{reason} (since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+        ledger.event("paused", reason)
+        return "paused: no new work is dispatched; in-flight work finishes"
+    if request.verb == "resume":
+        ledger.clear_meta("pause")
+        ledger.event("resumed")
+        return "resumed"
+    if request.verb == "retry":
+        ids = None if args.get("failed") else _known(ledger, _ids(args))
+        unblock(ids is None)
+        return f"{ledger.retry(ids)} samples back to pending"
+    if request.verb == "exclude":
+        ids = _ids(args)
+        reason = str(args.get("reason") or "").strip()
+        if not reason:
+            raise ValueError("an exclusion needs --reason")
+        _known(ledger, ids)
+        return f"{ledger.exclude(ids, reason)} samples excluded: {reason}"
+    if request.verb == "verify-full":
+        n = ledger.unverify_all("eagle3ctl verify --full")
+        ledger.event("verify_full", f"{n} verified samples to verify again")
+        return f"{n} verified samples will be verified again"
+    raise ValueError(f"unknown verb {request.verb}")

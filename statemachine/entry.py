@@ -1,0 +1,54 @@
+"""How every child of the daemon starts and ends: its arguments, its log lines (journald
+priorities under systemd), its config (the config in force the daemon wrote) and its exit code.
+
+Exit codes are the protocol between a child and the daemon; both ends use these names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Callable
+
+from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.logs import setup_logging
+
+OK = 0
+# The evaluation measured, and speculative decoding did not reproduce greedy decoding exactly.
+DIVERGED = 1
+# A config or input that retrying will not fix; the log says why.
+REFUSED = 2
+# The target or the config does not match the dataset's capture contract.
+CONTRACT_MISMATCH = 3
+
+
+class Refusal(Exception):
+    """A child's reason to stop that the operator must act on; the message says what to do."""
+
+    code = REFUSED
+
+
+class ContractMismatch(Refusal):
+    code = CONTRACT_MISMATCH
+
+
+def child_main(process: str, description: str, run: Callable[[Config, argparse.Namespace], int],
+               argv: list[str] | None = None,
+               add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+    """Parse `-c CONFIG` (and the child's own arguments), log as `process`, load the config
+    and run; a bad config or a Refusal is one error line and its exit code, not a traceback."""
+    parser = argparse.ArgumentParser(prog=f"eagle3d {process}", description=description)
+    parser.add_argument("-c", "--config", required=True, help="the eagle3d TOML config")
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging(process)
+    log = logging.getLogger(f"eagle3d.{process}")
+    try:
+        return run(load_config(args.config), args)
+    except ConfigError as exc:
+        log.error("%s", exc)
+        return REFUSED
+    except Refusal as exc:
+        log.error("%s", exc)
+        return exc.code

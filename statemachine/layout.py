@@ -1,0 +1,107 @@
+"""Where every file of eagle3d lives: the one module that spells a file or folder name.
+
+Four folders, each from `[paths]`: the state folder (the daemon's own), the spool (tmpfs, the
+engine's dumps), the dataset and the train folder. A module that reads or writes one of these
+files asks here for its path; the formats are owned by the modules named beside each name.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# ---- the state folder ---------------------------------------------------------------------------
+
+
+def ledger(state_dir: Path) -> Path:
+    """One row per sample (statemachine/ledger.py)."""
+    return Path(state_dir) / "ledger.sqlite"
+
+
+def state_file(state_dir: Path) -> Path:
+    """Where the pipeline is, for humans (statemachine/statefile.py)."""
+    return Path(state_dir) / "state.toml"
+
+
+def config_in_force(state_dir: Path) -> Path:
+    """The config the daemon holds, written by it; every child starts from this file, never from
+    the operator's editable one (statemachine/config.py)."""
+    return Path(state_dir) / "config.toml"
+
+
+def children_dir(state_dir: Path) -> Path:
+    """A pid file per child, to find orphans after a crash (daemon/children.py)."""
+    return Path(state_dir) / "children"
+
+
+def control_dir(state_dir: Path) -> Path:
+    """The operator's requests and the daemon's answers (daemon/control.py)."""
+    return Path(state_dir) / "control"
+
+
+def spot_check_dir(state_dir: Path) -> Path:
+    """Fresh dumps of the numerical spot check (daemon/verify_stage.py)."""
+    return Path(state_dir) / "spotcheck"
+
+
+# ---- the spool ----------------------------------------------------------------------------------
+
+
+def rejected_dir(spool_dir: Path) -> Path:
+    """Dumps that ingest refused, each with a reason file (daemon/ingest.py)."""
+    return Path(spool_dir) / "rejected"
+
+
+# ---- the dataset --------------------------------------------------------------------------------
+
+
+def contract_file(dataset_dir: Path) -> Path:
+    """The capture contract (capture/contract.py)."""
+    return Path(dataset_dir) / "capture.toml"
+
+
+def manifest_file(dataset_dir: Path) -> Path:
+    """The verified samples training may read (statemachine/manifest.py)."""
+    return Path(dataset_dir) / "manifest.json"
+
+
+# ---- the train folder ---------------------------------------------------------------------------
+
+
+def progress_file(train_dir: Path) -> Path:
+    """Where training is (statemachine/train_files.py)."""
+    return Path(train_dir) / "progress.json"
+
+
+def eval_file(train_dir: Path) -> Path:
+    """The acceptance-length evaluation's result (statemachine/train_files.py)."""
+    return Path(train_dir) / "eval.json"
+
+
+def done_file(train_dir: Path) -> Path:
+    """The marker tying the drafter to the manifest it was trained on (train_files.py)."""
+    return Path(train_dir) / "done.json"
+
+
+def export_dir(train_dir: Path) -> Path:
+    """The drafter in SGLang's layout (drafter/export.py)."""
+    return Path(train_dir) / "export"
+
+
+def checkpoint_dir(train_dir: Path) -> Path:
+    """Training checkpoints (drafter/checkpoint.py)."""
+    return Path(train_dir) / "checkpoints"
+
+
+def metrics_file(train_dir: Path) -> Path:
+    """One JSON line per training step."""
+    return Path(train_dir) / "metrics.jsonl"
+
+
+def metrics_plot(train_dir: Path) -> Path:
+    """The training curves (drafter/plots.py)."""
+    return Path(train_dir) / "metrics.png"
+
+
+def vocab_file(train_dir: Path) -> Path:
+    """The draft vocabulary (drafter/vocab.py)."""
+    return Path(train_dir) / "vocab.safetensors"

@@ -1,0 +1,87 @@
+"""The files through which training talks to the daemon, both ends of each: `progress.json`
+(the trainer writes, the daemon and eagle3ctl read), `eval.json` (the evaluation writes, the
+daemon reads) and `done.json` (the daemon's marker tying the drafter to its manifest).
+
+Every file is replaced atomically, so a reader sees a whole file or none; a missing or damaged
+one reads as None, never as an exception.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.atomic import atomic_write_bytes
+
+# progress.json's `status`, in the order a run goes through them.
+LOADING, TRAINING, EXPORTING, DONE = "loading", "training", "exporting", "done"
+
+
+def _read(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_bytes())
+        return data if isinstance(data, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def _write(path: Path, doc: dict[str, Any]) -> None:
+    atomic_write_bytes(path, json.dumps(doc).encode())
+
+
+class ProgressWriter:
+    """The trainer's end of `progress.json`, rewritten at most once a second (and at every
+    change of status)."""
+
+    def __init__(self, train_dir: Path, fingerprint: str, total_steps: int = 0) -> None:
+        self.path, self.fingerprint, self.total_steps = layout.progress_file(train_dir), \
+            fingerprint, total_steps
+        self.last_write = 0.0
+
+    def write(self, status: str, force: bool = True, **fields: Any) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_write < 1.0:
+            return
+        self.last_write = now
+        _write(self.path, {"status": status, "step": 0, "total_steps": self.total_steps,
+                           "epoch": 0, "loss": None, "acc": [], "tokens_per_s": 0.0,
+                           "eta_s": None, "manifest_fingerprint": self.fingerprint, **fields})
+
+
+def read_progress(train_dir: Path) -> dict[str, Any]:
+    """The daemon's end: the last progress written, or {} before the first."""
+    return _read(layout.progress_file(train_dir)) or {}
+
+
+def trained_for(train_dir: Path, fingerprint: str) -> bool:
+    """Training of this manifest finished and its export is complete."""
+    progress = read_progress(train_dir)
+    return (progress.get("status") == DONE and progress.get("manifest_fingerprint") == fingerprint
+            and (layout.export_dir(train_dir) / "config.json").exists())
+
+
+def write_eval(path: Path, report: dict[str, Any]) -> None:
+    """The evaluation's end of `eval.json` (or of any `--out` file an operator names)."""
+    atomic_write_bytes(path, json.dumps(report, indent=2).encode())
+
+
+def read_eval(train_dir: Path) -> dict[str, Any] | None:
+    """The evaluation's result, or None when there is none (or it holds no measurement)."""
+    result = _read(layout.eval_file(train_dir))
+    return result if result and "acceptance_length" in result else None
+
+
+def write_done(train_dir: Path, fingerprint: str, result: dict[str, Any]) -> None:
+    _write(layout.done_file(train_dir), {
+        "manifest_fingerprint": fingerprint, "export": str(layout.export_dir(train_dir)),
+        "acceptance_length": result.get("acceptance_length"),
+        "identical_to_greedy": result.get("identical_to_greedy"), "finished": time.time()})
+
+
+def done_for(train_dir: Path, fingerprint: str | None) -> bool:
+    """The drafter of this manifest is trained, exported and evaluated."""
+    done = _read(layout.done_file(train_dir))
+    return bool(done and fingerprint and done.get("manifest_fingerprint") == fingerprint)
