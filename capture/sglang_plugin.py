@@ -39,9 +39,12 @@ ENV_CONTRACT = "EAGLE3D_CONTRACT"    # the capture contract's fingerprint, stamp
 ENV_LAYER_IDS = "EAGLE3D_LAYER_IDS"  # the contract's layer ids, in the contract's convention
 ENV_LEDGER = "EAGLE3D_LEDGER"        # the ledger, for each sample's loss mask
 ENV_TOKEN = "EAGLE3D_START_TOKEN"    # names one server start: a ready file from an older one is stale
-# Rank 0 writes this into the spool once capture is set up; the daemon declares the engine ready
-# only after reading it. A dot name: the daemon's spool scan skips it.
-HANDSHAKE_FILE = ".eagle3d-sglang-ready.json"
+# The plugin's own files live in this folder of the spool: the daemon's spool scan offers files
+# to ingest and moves stray dot-named files to rejected/, but leaves folders alone.
+PLUGIN_FOLDER = "sglang"
+# Rank 0 writes this once capture is set up; the daemon declares the engine ready only after
+# reading it.
+HANDSHAKE_FILE = f"{PLUGIN_FOLDER}/ready.json"
 PLUGIN_NAME = "eagle3d_capture"      # the entry point's name (pyproject.toml)
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 
@@ -51,6 +54,11 @@ LOGITS_TARGET = "sglang.srt.layers.logits_processor.LogitsProcessor.forward"
 # LogitsProcessor.forward(self, input_ids, hidden_states, lm_head, logits_metadata,
 #                         aux_hidden_states=None, ...) in sglang/srt/layers/logits_processor.py.
 LOGITS_ARGS = ("input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states")
+
+# A request id SPOT_PREFIX + sample id is the daemon's spot check re-extracting a verified
+# sample: its dump goes to SPOT_FOLDER, out of ingest's sight (it would be a duplicate there).
+SPOT_PREFIX = "spot-"
+SPOT_FOLDER = f"{PLUGIN_FOLDER}/spot"
 
 SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16",
                       "torch.int32": "I32", "torch.uint8": "U8"}
@@ -146,6 +154,16 @@ def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend
 
 # ---- writing dumps -----------------------------------------------------------------------------
 
+def request_sample(rid: str | None) -> tuple[str, str] | None:
+    """(sample id, folder under the spool) of a request the plugin dumps; None for any other
+    request (SGLang's health checks and warm-up, another client)."""
+    rid = rid or ""
+    folder = ""
+    if rid.startswith(SPOT_PREFIX):
+        rid, folder = rid[len(SPOT_PREFIX):], SPOT_FOLDER
+    return (rid, folder) if dumpformat.SAMPLE_ID.fullmatch(rid) else None
+
+
 def _entry(t: Any) -> tuple[str, tuple[int, ...], memoryview]:
     """A tensor as the dump writer takes it. bf16 has no numpy dtype, so the bytes go through a
     uint8 view."""
@@ -218,10 +236,14 @@ class DumpWriter:
         self._queue.task_done()
 
     def write(self, s: RequestSlice) -> Path | None:
-        mask = self.loss_masks(s.rid)
-        if mask is None:
+        found = request_sample(s.rid)
+        mask = self.loss_masks(found[0]) if found else None
+        if found is None or mask is None:
             return None  # not a planned sample: SGLang's own warm-up or another client
-        path = dumpformat.write_dump(self.spool, s.rid, self.contract, dump_tensors(s, mask))
+        sid, sub = found
+        folder = self.spool / sub
+        folder.mkdir(parents=True, exist_ok=True)
+        path = dumpformat.write_dump(folder, sid, self.contract, dump_tensors(s, mask))
         self.written += 1
         return path
 
@@ -240,7 +262,7 @@ class Capture:
         """Queue this batch's dumps; returns how many requests were queued."""
         if not forward_mode_is_extend or not rids:
             return 0
-        if not any(dumpformat.SAMPLE_ID.fullmatch(r or "") for r in rids):
+        if not any(request_sample(r) for r in rids):
             return 0  # health checks and warm-up: nothing to copy off the GPU
         if extend_prefix_lens is None:
             # SGLang leaves extend_prefix_lens_cpu unset on some paths (GPU-only batches). Zero
@@ -262,7 +284,7 @@ class Capture:
                                f"{slices[0].last_hidden.shape[1]}")
         keep = []
         for s in slices:
-            if not dumpformat.SAMPLE_ID.fullmatch(s.rid or ""):
+            if not request_sample(s.rid):
                 continue
             if s.prefix_len:
                 # A cached or chunked prefix: these rows are not the whole prompt.
@@ -356,7 +378,8 @@ def check_layers(model: Any, layer_ids: Sequence[int]) -> None:
 
 def write_handshake(settings: CaptureSettings, info: dict[str, Any]) -> Path:
     path = settings.spool / HANDSHAKE_FILE
-    tmp = settings.spool / f"{HANDSHAKE_FILE}.{os.getpid()}.tmp"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({**info, "token": settings.token, "contract": settings.contract}))
     os.replace(tmp, path)
     return path

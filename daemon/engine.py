@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +129,8 @@ class SGLangEngine:
         self.client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}",
                                    cfg.extract.max_inflight_samples)
         self.ready = False
+        self.spool = cfg.paths.spool_dir
+        self._redirected: dict[str, Path] = {}  # sample id → folder its dump is wanted in
         self.problem: str | None = None  # why the engine will not become ready, once known
         self.device = f"sglang tp={cfg.sglang.tp}"
         self.startup = Startup(self.client, cfg.paths.spool_dir, env[ENV_TOKEN],
@@ -139,11 +143,27 @@ class SGLangEngine:
         return self.child.pid
 
     def submit(self, batch: list[dict[str, Any]], out: Path) -> None:
-        self.client.submit([(s["id"], s["input_ids"]) for s in batch])
+        from eagle3d.capture.sglang_plugin import SPOT_PREFIX
+        if Path(out) == self.spool:
+            self.client.submit([(s["id"], s["input_ids"]) for s in batch])
+            return
+        # Elsewhere (the spot check's folder): the plugin writes only under the spool, so these
+        # go to its spot folder under another request id, and are moved on from there.
+        self._redirected.update((s["id"], Path(out)) for s in batch)
+        self.client.submit([(SPOT_PREFIX + s["id"], s["input_ids"]) for s in batch])
 
     def events(self) -> list[dict]:
+        from eagle3d.capture.sglang_plugin import SPOT_PREFIX
         if self.ready:
-            return self.client.poll()
+            deliver_redirected(self.spool, self._redirected)
+            events = []
+            for event in self.client.poll():
+                if event["ids"][0].startswith(SPOT_PREFIX):
+                    if event["event"] == "error":  # the spot check times out on its own
+                        log.warning("spot-check re-extraction failed: %s", event["error"])
+                else:
+                    events.append(event)
+            return events
         if self.startup.state == "ready":
             self.ready = True
             info = self.startup.info or {}
@@ -164,6 +184,23 @@ class SGLangEngine:
         self.startup.stop()
         self.client.close()
         return self.child.stop(grace)
+
+
+def deliver_redirected(spool: Path, redirected: dict[str, Path]) -> None:
+    """Move the dumps that have arrived in the spool's spot folder to where they were wanted,
+    each under a temporary name first: the folder's reader must never see half a file."""
+    from eagle3d.capture import dumpformat
+    from eagle3d.capture.sglang_plugin import SPOT_FOLDER
+    for sid, folder in list(redirected.items()):
+        name = dumpformat.dump_name(sid)
+        source = spool / SPOT_FOLDER / name
+        if not source.exists():
+            continue
+        tmp = folder / f".{name}.{os.getpid()}.tmp"
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, folder / name)
+        source.unlink()
+        del redirected[sid]
 
 
 def start_engine(cfg: Config, pid_dir: Path, contract: dict[str, Any]) -> WorkerEngine | SGLangEngine:

@@ -16,7 +16,9 @@ import pytest
 
 from eagle3d.capture import dumpformat
 from eagle3d.capture.sglang_client import SGLangClient
-from eagle3d.capture.sglang_plugin import Capture, DumpWriter, ledger_loss_masks
+from eagle3d.capture.sglang_plugin import (SPOT_FOLDER, SPOT_PREFIX, Capture, DumpWriter,
+                                           ledger_loss_masks)
+from eagle3d.daemon.engine import deliver_redirected
 from test_sglang_plugin import (CONTRACT, check_dump, decode_batch, extend_batch, hidden_table,
                                 plan, sample_id)
 
@@ -162,3 +164,32 @@ def test_a_server_that_is_not_there_yields_errors_not_hangs():
     assert events[0]["ids"] == ["a" * 32] and "request to SGLang failed" in events[0]["error"]
     with pytest.raises(RuntimeError, match="closed"):
         client.submit([("b" * 32, [1])])
+
+
+def test_a_spot_check_gets_its_dumps_where_it_asked_not_in_the_spool(tmp_path, spool):
+    """The daemon's spot check re-extracts verified samples into a folder of its own; the
+    plugin writes only under the spool, out of the ingest's sight, and the engine moves them."""
+    samples = [[5, 6, 7, 8], [9, 10, 11]]
+    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples)))
+    fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True))
+    server = serve(fake)
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", max_concurrency=2)
+    wanted = tmp_path / "spot-check"
+    wanted.mkdir()
+    redirected = {sample_id(ids): wanted for ids in samples}
+    try:
+        while not client.healthy(timeout=2.0):
+            time.sleep(0.05)
+        client.submit([(SPOT_PREFIX + sample_id(ids), ids) for ids in samples])
+        assert all(e["event"] == "done" for e in wait_events(client, len(samples)))
+        writer.flush()
+    finally:
+        client.close()
+        server.shutdown()
+    assert [p.name for p in spool.iterdir() if p.is_file()] == []  # nothing for ingest
+    deliver_redirected(spool, redirected)
+    assert redirected == {}
+    for ids in samples:
+        check_dump(wanted / dumpformat.dump_name(sample_id(ids)), ids, fake.table)
+    assert list((spool / SPOT_FOLDER).iterdir()) == []
+    writer.close()

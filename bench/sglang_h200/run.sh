@@ -21,13 +21,15 @@ for step in "$@"; do
     install) [ -e "$work/site/sglang" ] || "$here/install.sh" "$bundle" "$work/site" ;;
     model) [ -e "$work/model/config.json" ] || python3 "$here/convert_gguf.py" "$gguf" "$work/model" ;;
     smoke)
+      # The spool in memory, as the daemon's configs have it: the overhead is capture's, not a disk's.
       python3 -m eagle3d.capture.sglang_smoke --model "$work/model" --python python3 \
-        --work "$work/smoke" --mem-fraction 0.3 --overhead 3 --summary "$work/out/smoke.json" \
+        --work /dev/shm/eagle3d-sglang-smoke --mem-fraction 0.3 --overhead 5 \
+        --summary "$work/out/smoke.json" \
         $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}") ;;
     pipeline) "$here/pipeline.sh" "$work/model" "$bundle/data/sharegpt.json" "$work/pipeline" \
-        "${SERVER_ARGS[@]}" ;;
+        "${SERVER_ARGS[@]}"; cp "$work/pipeline/summary.json" "$work/out/pipeline.json" ;;
     serve) python3 "$here/serve.py" "$work/model" "$work/pipeline/train/export" "$work/out" \
-        "${SERVER_ARGS[@]}" ;;
+        "$bundle/data/sharegpt.json" 620 16 "${SERVER_ARGS[@]}" ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
