@@ -11,7 +11,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from eagle3d.capture import sglang_client
 from eagle3d.daemon.engine import SGLangEngine
