@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.ingest import Ingestor, Outcome
 from eagle3d.statemachine.config import ExtractConfig

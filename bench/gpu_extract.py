@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from eagle3d.capture import contract, dumpformat
+from eagle3d.dataset import contract, dumpformat
 from eagle3d.capture.worker import Capturer, Job, _Pending, sub_batches
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,

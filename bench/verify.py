@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.daemon import checksum
 from eagle3d.daemon.verify import Expected, verify_many
 

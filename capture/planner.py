@@ -4,9 +4,12 @@ Turns the configured slice of the conversation source into ledger rows: one `pen
 usable conversation (its token ids and loss mask, as the target's tokenizer and chat template
 produce them) and one `skipped` row, with the reason, per conversation that cannot be used. Every
 source index in the slice ends up in exactly one of the two, so the counts always add up.
+Where the target writes the answers ([data] responses = "target"), a conversation is planned as
+an `ungenerated` sample holding its system and user turns; the generator (capture/generator.py)
+writes the assistant turns and tokenizes the result with `plan_batch`, as here.
 
 It also writes the dataset's capture contract (`<dataset_dir>/capture.toml`) on first run, and
-refuses (exit 3) to plan into a dataset whose contract differs from the config's.
+refuses (CONTRACT_MISMATCH) to plan into a dataset whose contract differs from the config's.
 
 Resumable: each batch of ~256 conversations is one ledger transaction, and a restart begins after
 the highest source index already recorded. The daemon reads progress from the ledger meta keys
@@ -30,12 +33,13 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from eagle3d.capture import contract, dumpformat, target
-from eagle3d.capture.conversations import Conversation, iter_conversations
+from eagle3d.dataset import contract, dumpformat
+from eagle3d.target import loading
+from eagle3d.dataset.conversations import Conversation, iter_conversations
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, ConfigError
 from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
-from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
 
 log = logging.getLogger("eagle3d.planner")
 
@@ -47,6 +51,8 @@ PROGRESS_EVERY_S = 5.0
 HEAD_CHARS_PER_TOKEN = 5
 # BPE on a cut text can differ from the full text only around the cut; this margin covers that.
 HEAD_MARGIN = 64
+# Room a first prompt must leave for the target's answer, or the conversation is skipped.
+GENERATE_MIN_TOKENS = 16
 
 
 def _hash(text: str) -> str:
@@ -82,7 +88,7 @@ def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, 
     return {
         "format": dumpformat.FORMAT,
         "target": cfg.target.model,
-        "target_fingerprint": target.fingerprint_file_or_folder(cfg.target.model_path),
+        "target_fingerprint": loading.fingerprint_file_or_folder(cfg.target.model_path),
         "tokenizer_fingerprint": _hash(backend.to_str()),
         "chat_template_fingerprint": _hash(json.dumps(template, sort_keys=True)),
         "layer_ids": layer_ids,
@@ -164,7 +170,8 @@ class _Rendered:
     text: str
 
 
-def _render(tokenizer: Any, conv: Conversation) -> _Rendered | str:
+def _render(tokenizer: Any, conv: Conversation,
+            generation_prompt: bool = False) -> _Rendered | str:
     """The rendered conversation, or why it cannot be used."""
     if conv.messages is None:
         return conv.problem or "unusable"
@@ -175,7 +182,8 @@ def _render(tokenizer: Any, conv: Conversation) -> _Rendered | str:
     except UnicodeEncodeError:
         return "not valid Unicode text (lone surrogates)"
     try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
     except Exception as exc:  # a template may raise on any shape of conversation
         return f"chat template failed: {exc}"
     if not isinstance(text, str) or not text:
@@ -235,6 +243,34 @@ def plan_batch(tokenizer: Any, convs: Sequence[Conversation],
     return samples, skipped
 
 
+def plan_prompts(tokenizer: Any, convs: Sequence[Conversation],
+                 max_tokens: int) -> tuple[list[Prompt], list[tuple[int, str]]]:
+    """Where the target writes the answers: each conversation's system and user turns, kept for
+    the generator, or (index, reason) skips; every conversation lands in one of the two."""
+    prompts: list[Prompt] = []
+    skipped: list[tuple[int, str]] = []
+    for conv in convs:
+        if conv.messages is None:
+            skipped.append((conv.idx, conv.problem or "unusable"))
+            continue
+        kept = [dict(m) for m in conv.messages if m["role"] != "assistant"]
+        users = [i for i, m in enumerate(kept) if m["role"] == "user"]
+        if not users:
+            skipped.append((conv.idx, "no user turn for the target to answer"))
+            continue
+        first = _render(tokenizer, Conversation(conv.idx, tuple(kept[:users[0] + 1])),
+                        generation_prompt=True)
+        if isinstance(first, str):
+            skipped.append((conv.idx, first))
+            continue
+        n = len(tokenizer.backend_tokenizer.encode(first.text, add_special_tokens=False).ids)
+        if n + GENERATE_MIN_TOKENS > max_tokens:
+            skipped.append((conv.idx, f"first prompt over max_tokens ({n} tokens)"))
+            continue
+        prompts.append(Prompt(sample_id(kept), conv.idx, json.dumps(kept, ensure_ascii=False)))
+    return prompts, skipped
+
+
 def _encode(backend: Any, texts: list[str], offsets: bool) -> list[Any]:
     """Batch encoding on all cores; when the batch fails, one by one, so that one text the
     tokenizer chokes on costs only itself (its entry becomes the reason)."""
@@ -260,7 +296,7 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
     end = data.first + data.limit
     start = max(data.first, ledger.max_idx() + 1)
     base_meta = {"plan.source": data.source, "plan.first": str(data.first),
-                 "plan.max_tokens": str(data.max_tokens),
+                 "plan.max_tokens": str(data.max_tokens), "plan.responses": data.responses,
                  "plan.bytes_per_token": str(dumpformat.bytes_per_token(hidden_size,
                                                                         cfg.target.dtype))}
     if start >= end:
@@ -274,10 +310,14 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
 
     def flush(final_meta: dict[str, str]) -> None:
         nonlocal planned, skipped
-        samples, skips = plan_batch(tokenizer, batch, data.max_tokens)
+        meta = {**base_meta, "plan.through": str(through), **final_meta}
         # A duplicate conversation is recorded by the ledger as skipped, not as a sample.
-        added = ledger.add_planned(samples, skips, {**base_meta, "plan.through": str(through),
-                                                    **final_meta})
+        if data.responses == "target":
+            prompts, skips = plan_prompts(tokenizer, batch, data.max_tokens)
+            added = ledger.add_prompts(prompts, skips, meta)
+        else:
+            samples, skips = plan_batch(tokenizer, batch, data.max_tokens)
+            added = ledger.add_planned(samples, skips, meta)
         planned += added
         skipped += len(batch) - added
         batch.clear()
@@ -304,8 +344,8 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
     try:
-        tokenizer = target.load_tokenizer(cfg.target.model_path)
-        model_config = target.load_config(cfg.target.model_path)
+        tokenizer = loading.load_tokenizer(cfg.target.model_path)
+        model_config = loading.load_config(cfg.target.model_path)
     except OSError as exc:
         raise Refusal(f"cannot read the target: {exc}") from None
     wanted = build_contract(cfg, tokenizer, model_config)

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from eagle3d.capture import dumpformat, layers
+from eagle3d.dataset import dumpformat
+from eagle3d.target import layers
 
 log = logging.getLogger("eagle3d.capture")
 

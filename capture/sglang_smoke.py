@@ -25,8 +25,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from eagle3d.capture import contract as contract_mod
-from eagle3d.capture import dumpformat, target
+from eagle3d.dataset import contract as contract_mod
+from eagle3d.dataset import dumpformat
+from eagle3d.target import loading
 from eagle3d.capture.sglang_client import SGLangClient, Startup
 from eagle3d.capture.sglang_launcher import check_version, launch_command, shell_line
 from eagle3d.capture.sglang_plugin import ENV_TOKEN
@@ -224,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     work = args.work or Path(tempfile.mkdtemp(prefix="eagle3d-sglang-smoke-"))
     model_path = Path(args.model)
-    tokenizer = target.load_tokenizer(model_path)
-    hf_config = target.load_config(model_path)
+    tokenizer = loading.load_tokenizer(model_path)
+    hf_config = loading.load_config(model_path)
     layer_ids = contract_mod.default_layer_ids(hf_config.num_hidden_layers)
     chats = [tokenize(tokenizer, prompt) for prompt in PROMPTS[:args.samples]]
     samples, planned = plan_samples([c[0] for c in chats], [c[1] for c in chats])
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.overhead:
             summary["overhead"] = measure_overhead(client, paths.spool_dir, bench, args.overhead)
     problems = [f"{e['ids'][0]}: {e['error']}" for e in events if e["event"] == "error"]
-    model = target.load_model(model_path, args.dtype, "auto")
+    model = loading.load_model(model_path, args.dtype, "auto")
     summary["dumps"] = {}
     for sid, ids in samples.items():
         found, figures = compare(model, paths.spool_dir, sid, ids, layer_ids,

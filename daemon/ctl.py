@@ -99,6 +99,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["eta_s"] = state.get("eta_s")
     out["bytes"] = state.get("bytes", {})
     out["disk"] = state.get("disk", [])
+    out["generate"] = state.get("generate", {})
     out["engine"] = state.get("engine", {})
     out["trainer"] = state.get("trainer", {})
     out["verify"] = state.get("verify")
@@ -138,13 +139,20 @@ def render_status(st: dict[str, Any]) -> str:
         total = trainer.get("total_steps") or 0
         frac = (trainer.get("step", 0) / total) if total else (1.0 if st["stage"] == "done" else 0.0)
         lines.append(f"progress  {_bar(frac)}  training step {trainer.get('step', 0)}/{total}")
+    elif st["stage"] == "generate" or s.get("ungenerated") or s.get("generating"):
+        left = s.get("ungenerated", 0) + s.get("generating", 0)
+        frac = 1 - left / max(s["total"], 1)
+        lines.append(f"progress  {_bar(frac)}  {s['total'] - left:,}/{s['total']:,} conversations "
+                     "answered by the target")
     elif st["stage"] == "verify" or (s["verified"] and not s["pending"] and not s["inflight"]):
         frac = s["verified"] / max(s["total"] - s["excluded"], 1)
         lines.append(f"progress  {_bar(frac)}  {s['verified']}/{s['total'] - s['excluded']} verified")
     else:
         frac = t["done"] / t["total"] if t.get("total") else 0.0
         lines.append(f"progress  {_bar(frac)}  {t['done']:,}/{t.get('total', 0):,} tokens extracted")
-    lines.append("samples   " + " · ".join(f"{k} {s[k]:,}" for k in ("total",) + STATUSES) +
+    # The two states before pending exist only where the target writes the answers.
+    shown = [k for k in STATUSES if s.get(k) or k not in ("ungenerated", "generating")]
+    lines.append("samples   " + " · ".join(f"{k} {s.get(k, 0):,}" for k in ("total", *shown)) +
                  f" · skipped {s['skipped']:,}")
     rate = st.get("rate", {})
     lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
@@ -155,6 +163,12 @@ def render_status(st: dict[str, Any]) -> str:
     lines.append("disk      " + " · ".join(disk_parts + [
         f"written {human_bytes(b.get('written', 0))} of {human_bytes(b.get('projected', 0))} "
         "projected"]))
+    gen = st.get("generate", {})
+    if gen.get("status") == "running" or gen.get("problem"):
+        lines.append(f"generator {gen['status']}" + (f", pid {gen['pid']}" if gen.get("pid") else "")
+                     + f", {gen.get('rate_per_s', 0):.2f} conversations/s, "
+                     f"{gen.get('restarts', 0)} restarts"
+                     + (f": {gen['problem']}" if gen.get("problem") else ""))
     e = st.get("engine", {})
     if e:
         extra = f", pid {e['pid']}" if e.get("pid") else ""
@@ -199,9 +213,10 @@ def results_summary(config_path: str) -> str:
                      f"--speculative-draft-model-path {export})")
     result = train_files.read_eval(cfg.paths.train_dir)
     if result is not None:
+        low, high = result.get("acceptance_length_ci95") or (float("nan"), float("nan"))
         lines.append(f"acceptance length: {result['acceptance_length']:.3f} tokens per target "
-                     f"forward over {result.get('prompts')} held-out prompts "
-                     f"({layout.eval_file(cfg.paths.train_dir)})")
+                     f"forward (95% interval {low:.3f}-{high:.3f}) over {result.get('prompts')} "
+                     f"held-out prompts ({layout.eval_file(cfg.paths.train_dir)})")
     return "\n".join(lines)
 
 
@@ -277,7 +292,7 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
     from eagle3d.capture.sglang_launcher import launch_command, shell_line
     if cfg.target.engine == "sglang":
-        from eagle3d.capture import contract
+        from eagle3d.dataset import contract
         c = contract.read(cfg.paths.dataset_dir)
         if c is None:
             print("no capture contract yet: the plan stage writes it "

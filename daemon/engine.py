@@ -189,7 +189,7 @@ class SGLangEngine:
 def deliver_redirected(spool: Path, redirected: dict[str, Path]) -> None:
     """Move the dumps that have arrived in the spool's spot folder to where they were wanted,
     each under a temporary name first: the folder's reader must never see half a file."""
-    from eagle3d.capture import dumpformat
+    from eagle3d.dataset import dumpformat
     from eagle3d.capture.sglang_plugin import SPOT_FOLDER
     for sid, folder in list(redirected.items()):
         name = dumpformat.dump_name(sid)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from eagle3d.capture import contract as capture_contract
+from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon import budgets
 from eagle3d.daemon.children import remaining
 from eagle3d.daemon.durability import GroupSync
@@ -40,7 +40,7 @@ class Engine(Protocol):
     kind: str
     ready: bool
     device: str
-    pid: int
+    pid: int  # and, optionally, `problem`: why it will never become ready
 
     def submit(self, batch: list[dict[str, Any]], out: Path) -> None: ...
     def events(self) -> list[dict]: ...
@@ -137,6 +137,9 @@ class ExtractStage:
             self.ledger.event("engine_unavailable", str(exc))
 
     def _engine_exited(self, code: int) -> None:
+        # An engine that knew why it could not become ready (an SGLang server whose capture
+        # plugin never answered) would fail the same way again: no restart, the reason shown.
+        refused = getattr(self.engine, "problem", None)
         held = self.ledger.expired_inflight(float("inf"))
         for sid in held:
             self.ledger.mark_retry(sid, f"the engine exited with code {code}",
@@ -148,6 +151,9 @@ class ExtractStage:
         log.warning("the engine exited with code %s; %d in-flight samples returned", code,
                     len(held))
         limit = self.cfg.extract.engine_max_restarts
+        if refused:
+            self.problem = f"the engine cannot capture: {refused}"
+            return
         if self.restarts > limit:
             self.problem = (f"the engine exited {self.restarts} times ([extract] "
                             f"engine_max_restarts = {limit}); see the log")

@@ -20,8 +20,8 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from eagle3d.capture import dumpformat
-from eagle3d.capture.dumpformat import DumpError
+from eagle3d.dataset import dumpformat
+from eagle3d.dataset.dumpformat import DumpError
 from eagle3d.daemon import checksum
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.verify import Expected, scan

@@ -41,10 +41,12 @@ class PlanStage:
         meta = self.ledger.meta
         if meta("plan.source") is None:
             return None
-        changed = [k for k, v in (("source", self.cfg.data.source),
-                                  ("first", str(self.cfg.data.first)),
-                                  ("max_tokens", str(self.cfg.data.max_tokens)))
-                   if meta(f"plan.{k}") != v]
+        data = self.cfg.data
+        changed = [k for k, v in (("source", data.source), ("first", str(data.first)),
+                                  ("max_tokens", str(data.max_tokens)),
+                                  ("responses", data.responses))
+                   # A ledger planned before [data] responses existed has dataset answers.
+                   if (meta(f"plan.{k}") or ("dataset" if k == "responses" else None)) != v]
         if not changed:
             return None
         return (f"[data] {', '.join(changed)} changed since this dataset was planned "

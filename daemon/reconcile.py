@@ -22,6 +22,7 @@ from eagle3d.daemon import control, requests
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory, ExtractStage
+from eagle3d.daemon.generate_stage import GenerateStage
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.plan_stage import PlanStage
@@ -77,6 +78,7 @@ class Daemon:
         self.decision: Decision | None = None
         self.stage_since = time.time()
         self.plan = PlanStage(cfg, self.ledger, pid_dir)
+        self.generate = GenerateStage(cfg, self.ledger, pid_dir)
         self.extract = ExtractStage(cfg, self.ledger, pid_dir, engine_factory)
         self.verify = VerifyStage(cfg, self.ledger, lambda: self.extract.ready_engine)
         self.train = TrainStage(cfg, self.ledger, pid_dir, self.verify.verified_fingerprint)
@@ -145,6 +147,7 @@ class Daemon:
         log.info("stopping (within %.0f s)", STOP_BUDGET_S)
         self.stopping = True
         self.plan.stop(deadline)
+        self.generate.stop(deadline)
         self.extract.stop(deadline, self.publish)
         self.train.stop(deadline)
         self.ledger.requeue_inflight("daemon stopped")
@@ -167,7 +170,7 @@ class Daemon:
             self._last_state = 0.0
         self.decision = decision
         if not self.until_met():  # `--until train` must not start the trainer it will not wait for
-            for stage in (self.plan, self.extract, self.verify, self.train):
+            for stage in (self.plan, self.generate, self.extract, self.verify, self.train):
                 stage.step(decision)
         self.publish()
 
@@ -176,7 +179,8 @@ class Daemon:
         facts: dict[str, Any] = {}
         blocked = []
         fingerprint = self.verify.verified_fingerprint() if stages.gate(counts).open else None
-        for part in (self.plan.observe(), self.extract.observe(counts),
+        for part in (self.plan.observe(), self.generate.observe(counts),
+                     self.extract.observe(counts),
                      self.verify.observe(counts), self.train.observe(fingerprint)):
             blocked.append(part.pop("blocked", None))
             facts.update(part)
@@ -186,6 +190,7 @@ class Daemon:
     def unblock(self, all_failed: bool) -> None:
         """An operator's retry: the stages try again what had stopped them."""
         self.plan.unblock()
+        self.generate.unblock()
         self.extract.unblock()
         if all_failed:
             self.train.unblock()
@@ -206,7 +211,7 @@ class Daemon:
             write_in_force(new)
             self.cfg = new
             self.config_problem = None
-            for stage in (self.plan, self.extract, self.train):
+            for stage in (self.plan, self.generate, self.extract, self.train):
                 stage.cfg = new
             self.verify.configure(new)
             self.plan.unblock()

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from eagle3d.daemon import budgets
 from eagle3d.statemachine import stages
+from eagle3d.statemachine.ledger import STATUSES
 
 if TYPE_CHECKING:
     from eagle3d.daemon.reconcile import Daemon
@@ -22,7 +23,9 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
     reason = decision.reason if decision else ""
     trainer = daemon.train.status()
     eta = None
-    if stage == "extract" and tokens_rate > 0:
+    if stage == "generate":
+        eta = daemon.generate.eta()
+    elif stage == "extract" and tokens_rate > 0:
         eta = (counts.wanted_tokens - counts.done_tokens) / tokens_rate
     elif stage == "verify":
         eta = daemon.verify.eta(counts)
@@ -38,8 +41,7 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
         "since": daemon.stage_since,
         "updated": time.time(),
         "config": {"path": str(daemon.cfg.path), "problem": daemon.config_problem},
-        "samples": {**{k: counts.get(k) for k in ("pending", "inflight", "extracted",
-                                                  "verified", "failed", "excluded")},
+        "samples": {**{k: counts.get(k) for k in STATUSES},
                     "total": counts.total, "skipped": daemon.ledger.skipped_count()},
         "tokens": {"done": counts.done_tokens, "total": counts.wanted_tokens},
         "rate": {"samples_per_s": round(samples_rate, 3), "tokens_per_s": round(tokens_rate, 1)},
@@ -49,6 +51,7 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
                   "spool": spool.bytes_waiting if spool else 0},
         "disk": [{"role": x.role, "path": x.path, "free": x.free, "total": x.total}
                  for x in budgets.disks(daemon.cfg)],
+        "generate": daemon.generate.status(),
         "engine": daemon.extract.status(),
         "trainer": trainer,
         "verify": daemon.verify.status(),

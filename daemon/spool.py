@@ -18,7 +18,7 @@ import psutil
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.statemachine import layout
 
 log = logging.getLogger("eagle3d")

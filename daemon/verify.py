@@ -25,8 +25,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from eagle3d.capture import dumpformat
-from eagle3d.capture.dumpformat import DumpError, DumpHeader, TensorInfo
+from eagle3d.dataset import dumpformat
+from eagle3d.dataset.dumpformat import DumpError, DumpHeader, TensorInfo
 from eagle3d.daemon import checksum
 
 CHUNK = 8 << 20  # a multiple of every element size, larger than any header (MAX_HEADER)

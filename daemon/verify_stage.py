@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.capture import contract as capture_contract
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import contract as capture_contract
+from eagle3d.dataset import dumpformat
 from eagle3d.daemon.durability import SyncFs, doubt_settled, page_cache_doubt
 from eagle3d.statemachine import layout, manifest, stages
 from eagle3d.statemachine.config import Config

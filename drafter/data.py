@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagle3d.capture import dumpformat
-from eagle3d.capture.dumpformat import AUX, INPUT_IDS, LAST, LOSS_MASK
+from eagle3d.dataset import dumpformat
+from eagle3d.dataset.dumpformat import AUX, INPUT_IDS, LAST, LOSS_MASK
 
 WINDOW = 64  # samples sorted together: larger pads less, smaller shuffles more
 

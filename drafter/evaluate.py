@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -135,31 +136,56 @@ def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab:
     return result
 
 
-def stop_tokens(tokenizer: Any, target: Any) -> set[int]:
-    ids = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    return {t for t in [tokenizer.eos_token_id, *ids] if isinstance(t, int)}
+class Prompts(NamedTuple):
+    ids: list[list[int]]       # the prompts used, token ids with the generation prompt
+    asked: int                 # conversations read from the source
+    skipped: dict[str, int]    # why the others were left out, and how many each
 
 
 def prompts_from(source: Path, fmt: str, first: int, limit: int, tokenizer: Any,
-                 max_tokens: int) -> list[list[int]]:
-    """Each conversation's messages up to its first assistant turn, with the generation
-    prompt; conversations that open with the assistant or are too long are left out."""
-    from eagle3d.capture.conversations import iter_conversations
-    prompts = []
+                 max_tokens: int) -> Prompts:
+    """Each conversation's first user turn (with a system turn before it, if any), wherever it
+    stands: assistant turns before it are dropped. A conversation with no user turn, or whose
+    prompt is longer than `max_tokens`, is skipped and counted with its reason."""
+    from eagle3d.dataset.conversations import iter_conversations
+    ids: list[list[int]] = []
+    skipped: dict[str, int] = {}
+    asked = 0
     for conv in iter_conversations(source, fmt, first, limit):
-        if conv.messages is None or conv.messages[0]["role"] == "assistant":
-            continue
-        turns = []
-        for m in conv.messages:
-            if m["role"] == "assistant":
-                break
-            turns.append(m)
-        text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) <= max_tokens:
-            prompts.append(ids)
-    return prompts
+        asked += 1
+        why = None
+        turns = [m for m in conv.messages or () if m["role"] == "system"][:1]
+        first_user = next((m for m in conv.messages or () if m["role"] == "user"), None)
+        if conv.messages is None:
+            why = conv.problem or "unusable"
+        elif first_user is None:
+            why = "no user turn"
+        else:
+            text = tokenizer.apply_chat_template(turns + [first_user], tokenize=False,
+                                                 add_generation_prompt=True)
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(prompt) > max_tokens:
+                why = f"prompt over {max_tokens} tokens"
+            else:
+                ids.append(prompt)
+        if why:
+            skipped[why] = skipped.get(why, 0) + 1
+    return Prompts(ids, asked, skipped)
+
+
+def confidence_interval(per_prompt: list[tuple[int, int]], seed: int = 0,
+                        rounds: int = 2000) -> tuple[float, float]:
+    """95% bootstrap interval of the acceptance length (tokens over forwards), resampling
+    prompts: tokens within a prompt are not independent, prompts are."""
+    if len(per_prompt) < 2:
+        return (float("nan"), float("nan"))
+    rng = random.Random(seed)
+    values = []
+    for _ in range(rounds):
+        draw = [per_prompt[rng.randrange(len(per_prompt))] for _ in per_prompt]
+        values.append(sum(t for t, _ in draw) / max(1, sum(f for _, f in draw)))
+    values.sort()
+    return values[int(0.025 * rounds)], values[int(0.975 * rounds) - 1]
 
 
 def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: list[int],
@@ -168,21 +194,28 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
     started = time.monotonic()
     capture = AuxCapture(target, layer_ids)
     rounds: list[int] = []
+    per_prompt: list[tuple[int, int]] = []  # (tokens from verifying forwards, forwards)
     identical, new_tokens = True, 0
     try:
         for prompt in prompts:
             spec = speculative(target, capture, drafter, vocab, prompt, steps, max_new_tokens, eos)
             identical &= spec.tokens == greedy(target, prompt, max_new_tokens, eos)
             rounds += spec.accepted
+            per_prompt.append((sum(spec.accepted) + len(spec.accepted), len(spec.accepted)))
             new_tokens += len(spec.tokens)
     finally:
         capture.close()
     forwards = len(rounds)
     return {"acceptance_length": (sum(rounds) + forwards) / max(1, forwards),
+            "acceptance_length_ci95": list(confidence_interval(per_prompt)),
             "per_position_acceptance": [sum(a > j for a in rounds) / max(1, forwards)
                                         for j in range(steps)],
             "prompts": len(prompts), "new_tokens": new_tokens, "target_forwards": forwards,
             "identical_to_greedy": identical, "seconds": time.monotonic() - started}
+
+
+def _reasons(skipped: dict[str, int]) -> str:
+    return ", ".join(f"{n} {why}" for why, n in skipped.items()) or "none"
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
@@ -197,9 +230,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
-    from eagle3d.capture import contract
-    from eagle3d.capture.target import (fingerprint_file_or_folder, load_model, load_tokenizer,
-                                        pick_device)
+    from eagle3d.dataset import contract
+    from eagle3d.target.loading import (fingerprint_file_or_folder, load_model, load_tokenizer,
+                                        pick_device, stop_tokens)
 
     try:
         source = resolve_location(args.source, Path.cwd()) if args.source else cfg.eval.source_path
@@ -228,17 +261,24 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     prompts = prompts_from(source, cfg.data.format, cfg.eval.first if args.first is None
                            else args.first, cfg.eval.limit if args.limit is None else args.limit,
                            tokenizer, cfg.data.max_tokens - max_new)
+    if not prompts.ids:
+        raise Refusal(f"no usable prompt among the {prompts.asked} conversations read "
+                      f"({_reasons(prompts.skipped)})")
     eos = stop_tokens(tokenizer, target)
-    report = evaluate(target, drafter, vocab, layer_ids, prompts, steps, max_new, eos)
-    report["drafter"] = str(drafter_dir)
+    report = evaluate(target, drafter, vocab, layer_ids, prompts.ids, steps, max_new, eos)
+    report.update(drafter=str(drafter_dir), prompts_asked=prompts.asked,
+                  prompts_skipped=prompts.skipped)
     if args.out:
         train_files.write_eval(args.out, report)
     if args.json:
         print(json.dumps(report))
     else:
-        print(f"acceptance length {report['acceptance_length']:.3f} tokens per target forward "
-              f"({report['prompts']} prompts, {report['new_tokens']} new tokens, "
-              f"{report['target_forwards']} verifying forwards, {report['seconds']:.0f} s)\n"
+        low, high = report["acceptance_length_ci95"]
+        print(f"acceptance length {report['acceptance_length']:.3f} tokens per target forward, "
+              f"95% interval {low:.3f}-{high:.3f} ({report['prompts']} prompts of "
+              f"{prompts.asked} asked; skipped: {_reasons(prompts.skipped)}; "
+              f"{report['new_tokens']} new tokens, {report['target_forwards']} verifying "
+              f"forwards, {report['seconds']:.0f} s)\n"
               f"per-position acceptance: "
               + " ".join(f"{a:.2f}" for a in report["per_position_acceptance"])
               + f"\nidentical to greedy decoding: {report['identical_to_greedy']}")

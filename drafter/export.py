@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from eagle3d.capture.layers import draft_config_layer_ids
+from eagle3d.target.layers import draft_config_layer_ids
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import DraftVocab
 from eagle3d.statemachine.atomic import fsync_dir

@@ -43,7 +43,7 @@ def load_embedding_and_head(model_path: Path) -> tuple[torch.Tensor, torch.Tenso
 
         embed = read(embed_name)
         return embed, (embed if head_name == embed_name else read(head_name))
-    from eagle3d.capture.target import load_model
+    from eagle3d.target.loading import load_model
     model = load_model(path, "float32", "cpu")
     embed = model.get_input_embeddings().weight.detach().float().clone()
     head = model.get_output_embeddings().weight.detach().float()

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eagle3d.capture import contract as contract_mod
-from eagle3d.capture.target import fingerprint_file_or_folder, pick_device
-from eagle3d.capture.target import load_config as load_target_config
+from eagle3d.dataset import contract as contract_mod
+from eagle3d.target.loading import fingerprint_file_or_folder, pick_device
+from eagle3d.target.loading import load_config as load_target_config
 from eagle3d.drafter import checkpoint, data, loss as loss_mod, vocab as vocab_mod
 from eagle3d.drafter.export import export
 from eagle3d.drafter.model import LOSS_DECAY, DraftConfig, Eagle3Drafter

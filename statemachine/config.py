@@ -29,6 +29,7 @@ class ConfigError(ValueError):
 DTYPES = ("float32", "bfloat16", "float16")
 ENGINES = ("transformers", "sglang")
 FORMATS = ("auto", "sharegpt", "messages")
+RESPONSES = ("dataset", "target")
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3,
                "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2,
@@ -89,7 +90,17 @@ class DataConfig(NamedTuple):
     first: int = 0
     limit: int = 1000
     max_tokens: int = 2048
+    responses: str = "dataset"  # "target": the target writes every assistant turn itself
     source_path: Path = Path()
+
+
+class GenerateConfig(NamedTuple):
+    max_new_tokens: int = 512  # per assistant turn
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int = 0
+    batch_size: int = 32  # conversations generated together
+    max_attempts: int = 3
 
 
 class PathsConfig(NamedTuple):
@@ -166,16 +177,22 @@ class Config(NamedTuple):
     budget: BudgetConfig = BudgetConfig()
     extract: ExtractConfig = ExtractConfig()
     verify: VerifyConfig = VerifyConfig()
+    generate: GenerateConfig = GenerateConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     sglang: SGLangConfig = SGLangConfig()
 
     def contract_keys(self) -> dict[str, Any]:
         """What a dataset is bound to: change one of these and the old dumps no longer fit."""
-        return {"model": self.target.model, "dtype": self.target.dtype,
+        keys = {"model": self.target.model, "dtype": self.target.dtype,
                 "aux_layers": list(self.target.aux_layers) if self.target.aux_layers else "default",
                 "source": self.data.source, "first": self.data.first,
-                "max_tokens": self.data.max_tokens}
+                "max_tokens": self.data.max_tokens, "responses": self.data.responses}
+        if self.data.responses == "target":  # what the target writes depends on these too
+            g = self.generate
+            keys.update(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                        top_p=g.top_p, seed=g.seed)
+        return keys
 
 
 # ---- the config in force ---------------------------------------------------------------------
@@ -326,7 +343,8 @@ def load_config(path: str | os.PathLike) -> Config:
 def parse_config(raw: dict, path: Path) -> Config:
     chk = _Checker(path)
     base = path.parent
-    known = {"target", "data", "paths", "budget", "extract", "verify", "train", "eval", "sglang"}
+    known = {"target", "data", "paths", "budget", "extract", "verify", "generate", "train", "eval",
+             "sglang"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{path}: unknown section or key [{key}] "
@@ -340,7 +358,8 @@ def parse_config(raw: dict, path: Path) -> Config:
 
     data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
         "source": _STR, "format": _typed(str, choices=FORMATS), "first": _NONNEG_INT,
-        "limit": _POS_INT, "max_tokens": _typed(int, minimum=8)})
+        "limit": _POS_INT, "max_tokens": _typed(int, minimum=8),
+        "responses": _typed(str, choices=RESPONSES)})
     source_path = _existing(chk, "data.source", data.source, base)
     data = data._replace(source=_spelled(data.source, source_path), source_path=source_path)
 
@@ -368,6 +387,11 @@ def parse_config(raw: dict, path: Path) -> Config:
         "workers": _typed(int, minimum=1, maximum=256), "spot_checks": _NONNEG_INT,
         "spot_tolerance": _POS_FLOAT})
 
+    generate = chk.build(GenerateConfig, "generate", chk.section(raw, "generate"), {
+        "max_new_tokens": _POS_INT, "temperature": _typed(float, minimum=0.0),
+        "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _NONNEG_INT,
+        "batch_size": _typed(int, minimum=1, maximum=4096), "max_attempts": _POS_INT})
+
     train = chk.build(TrainConfig, "train", chk.section(raw, "train"), {
         "nproc": _typed(int, minimum=1, maximum=1024),
         "device": _typed(str, choices=("auto", "cpu", "cuda")), "draft_vocab": _POS_INT,
@@ -390,7 +414,8 @@ def parse_config(raw: dict, path: Path) -> Config:
         "startup_timeout_s": _POS_FLOAT, "extra_args": _str_list})
 
     return Config(path=path, target=target, data=data, paths=paths, budget=budget,
-                  extract=extract, verify=verify, train=train, eval=ev, sglang=sglang)
+                  extract=extract, verify=verify, generate=generate, train=train, eval=ev,
+                  sglang=sglang)
 
 
 def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool = False) -> Path:

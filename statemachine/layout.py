@@ -55,7 +55,7 @@ def rejected_dir(spool_dir: Path) -> Path:
 
 
 def contract_file(dataset_dir: Path) -> Path:
-    """The capture contract (capture/contract.py)."""
+    """The capture contract (dataset/contract.py)."""
     return Path(dataset_dir) / "capture.toml"
 
 

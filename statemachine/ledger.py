@@ -7,16 +7,23 @@ kept by triggers in a tiny table, so `eagle3ctl status` costs the same at 1k and
 
 from __future__ import annotations
 
+import hashlib
+import json
 import sqlite3
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
-# 2: events are indexed by kind. A ledger of an older version is brought up to this one when
-# it is opened for writing: the schema below only creates what is missing.
-SCHEMA_VERSION = 2
+# 2: events are indexed by kind. 3: the target writes the answers ([data] responses = "target"):
+# prompts, generated conversations, and the two states before pending. A ledger of an older
+# version is brought up to this one when it is opened for writing: the schema below only creates
+# what is missing.
+SCHEMA_VERSION = 3
 
-STATUSES = ("pending", "inflight", "extracted", "verified", "failed", "excluded")
+# `ungenerated` and `generating` come first only where the target writes the answers: a sample
+# has no tokens until its conversation is generated, then it is pending like any other.
+STATUSES = ("ungenerated", "generating", "pending", "inflight", "extracted", "verified", "failed",
+            "excluded")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -40,6 +47,10 @@ CREATE TABLE IF NOT EXISTS samples (
 CREATE INDEX IF NOT EXISTS samples_by_status ON samples (status, idx);
 CREATE TABLE IF NOT EXISTS plan_tokens (
     id TEXT PRIMARY KEY, input_ids BLOB NOT NULL, loss_mask BLOB NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS prompts (id TEXT PRIMARY KEY, messages TEXT NOT NULL) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS generated (
+    id TEXT PRIMARY KEY, messages TEXT NOT NULL, checksum TEXT NOT NULL, settings TEXT NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS skipped (idx INTEGER PRIMARY KEY, reason TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY, t REAL NOT NULL, kind TEXT NOT NULL, sample TEXT, detail TEXT);
@@ -72,6 +83,10 @@ class LedgerError(RuntimeError):
     pass
 
 
+def _checksum(text: str) -> str:
+    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
 class Sample(NamedTuple):
     id: str
     idx: int
@@ -100,6 +115,13 @@ class PlannedSample(NamedTuple):
     loss_mask: bytes  # one byte per token
 
 
+class Prompt(NamedTuple):
+    """A conversation whose assistant turns the target is to write."""
+    id: str
+    idx: int
+    messages: str  # JSON: the turns kept from the source (system and user), in order
+
+
 class Counts(NamedTuple):
     n: dict[str, int]
     tokens: dict[str, int]
@@ -126,6 +148,9 @@ class Counts(NamedTuple):
     def get(self, status: str) -> int:
         return self.n.get(status, 0)
 
+
+# Where a retried sample goes back to: extraction, or generation when it has no tokens yet.
+_BACK = "CASE WHEN tokens = 0 THEN 'ungenerated' ELSE 'pending' END"
 
 _COLUMNS = ("id, idx, tokens, loss_tokens, ids_hash, status, attempts, error, path, bytes, "
             "checksum, verified_stat, reason, dispatched_at, updated_at")
@@ -241,21 +266,35 @@ class Ledger:
         """Record one batch of the planner's output atomically; returns how many were new.
         A conversation seen twice (same content hash) is recorded once, and skipped once more
         as a duplicate, so the counts of the source add up."""
+        return self._add([(s.id, s.idx, s.tokens, s.loss_tokens, s.ids_hash) for s in samples],
+                         "pending", "INSERT OR REPLACE INTO plan_tokens VALUES (?, ?, ?)",
+                         [(s.id, s.input_ids, s.loss_mask) for s in samples], skipped, meta)
+
+    def add_prompts(self, prompts: Sequence[Prompt], skipped: Sequence[tuple[int, str]],
+                    meta: dict[str, str]) -> int:
+        """The planner's output where the target writes the answers: conversations without
+        tokens yet, `ungenerated`, each with the turns the target is to answer."""
+        return self._add([(p.id, p.idx, 0, 0, "") for p in prompts], "ungenerated",
+                         "INSERT OR REPLACE INTO prompts VALUES (?, ?)",
+                         [(p.id, p.messages) for p in prompts], skipped, meta)
+
+    def _add(self, rows: Sequence[tuple[str, int, int, int, str]], status: str, detail_sql: str,
+             details: Sequence[tuple], skipped: Sequence[tuple[int, str]],
+             meta: dict[str, str]) -> int:
         now = time.time()
         added = 0
         with self.transaction() as db:
-            for s in samples:
+            for (sid, idx, tokens, loss_tokens, ids_hash), detail in zip(rows, details):
                 cur = db.execute(
                     "INSERT OR IGNORE INTO samples (id, idx, tokens, loss_tokens, ids_hash, status,"
-                    " updated_at) VALUES (?, ?, ?, ?, ?, 'pending', ?)",
-                    (s.id, s.idx, s.tokens, s.loss_tokens, s.ids_hash, now))
+                    " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (sid, idx, tokens, loss_tokens, ids_hash, status, now))
                 if cur.rowcount:
-                    db.execute("INSERT OR REPLACE INTO plan_tokens VALUES (?, ?, ?)",
-                               (s.id, s.input_ids, s.loss_mask))
+                    db.execute(detail_sql, detail)
                     added += 1
                 else:
                     db.execute("INSERT OR IGNORE INTO skipped VALUES (?, ?)",
-                               (s.idx, f"duplicate of sample {s.id}"))
+                               (idx, f"duplicate of sample {sid}"))
             db.executemany("INSERT OR IGNORE INTO skipped VALUES (?, ?)", skipped)
             for k, v in meta.items():
                 self.set_meta(k, v, db)
@@ -358,12 +397,14 @@ class Ledger:
 
     def mark_retry(self, sid: str, error: str, max_attempts: int,
                    frm: Sequence[str] = ("inflight",)) -> str | None:
-        """A failed attempt: back to pending, or to failed once the attempts are used up.
+        """A failed attempt: back to pending (ungenerated when its conversation is still to be
+        generated), or to failed once the attempts are used up.
         Returns the new status, or None when the sample was not in a state to fail from."""
-        row = self.db.execute("SELECT attempts FROM samples WHERE id = ?", (sid,)).fetchone()
+        row = self.db.execute("SELECT attempts, tokens FROM samples WHERE id = ?",
+                              (sid,)).fetchone()
         if row is None:
             return None
-        to = "failed" if row[0] >= max_attempts else "pending"
+        to = "failed" if row[0] >= max_attempts else "pending" if row[1] else "ungenerated"
         moved = self._move(sid, frm, to, "attempt_failed" if to == "pending" else "failed",
                            error, error=error, path=None, bytes=0, checksum=None,
                            verified_stat=None)
@@ -387,14 +428,18 @@ class Ledger:
         return len(ids)
 
     def requeue_inflight(self, reason: str) -> int:
-        """Back to pending for what no engine is working on (after a restart); the attempt it
-        had is not counted against the sample."""
+        """Back to pending (or ungenerated) for what no engine or generator is working on (after
+        a restart); the attempt it had is not counted against the sample."""
+        n = 0
         with self.transaction() as db:
-            cur = db.execute("UPDATE samples SET status = 'pending', attempts = max(attempts - 1, 0),"
-                             " updated_at = ? WHERE status = 'inflight'", (time.time(),))
-            if cur.rowcount:
-                self.event("requeued", f"{cur.rowcount} in-flight samples: {reason}", None, db)
-        return cur.rowcount
+            for frm, to in (("inflight", "pending"), ("generating", "ungenerated")):
+                cur = db.execute(f"UPDATE samples SET status = '{to}', attempts = "
+                                 f"max(attempts - 1, 0), updated_at = ? WHERE status = '{frm}'",
+                                 (time.time(),))
+                if cur.rowcount:
+                    self.event("requeued", f"{cur.rowcount} {frm} samples: {reason}", None, db)
+                n += cur.rowcount
+        return n
 
     def release(self, ids: Sequence[str], reason: str) -> int:
         """In-flight samples back to pending without counting the attempt: the engine could not
@@ -419,13 +464,13 @@ class Ledger:
         now = time.time()
         with self.transaction() as db:
             if ids is None:
-                cur = db.execute("UPDATE samples SET status = 'pending', attempts = 0, reason = NULL,"
-                                 " updated_at = ? WHERE status = 'failed'", (now,))
+                cur = db.execute(f"UPDATE samples SET status = {_BACK}, attempts = 0, "
+                                 "reason = NULL, updated_at = ? WHERE status = 'failed'", (now,))
                 n = cur.rowcount
             else:
                 n = 0
                 for sid in ids:
-                    n += db.execute("UPDATE samples SET status = 'pending', attempts = 0, "
+                    n += db.execute(f"UPDATE samples SET status = {_BACK}, attempts = 0, "
                                     "reason = NULL, path = NULL, bytes = 0, checksum = NULL, "
                                     "verified_stat = NULL, updated_at = ? WHERE id = ? AND "
                                     "status IN ('failed', 'excluded')", (now, sid)).rowcount
@@ -446,6 +491,49 @@ class Ledger:
                     n += 1
                     self.event("excluded", reason, sid, db)
         return n
+
+    # ---- generation ([data] responses = "target") ----------------------------------------------
+
+    def claim_prompts(self, n: int) -> list[tuple[Sample, list[dict]]]:
+        """Move up to n ungenerated samples to generating, oldest first, with their prompts."""
+        now = time.time()
+        with self.transaction() as db:
+            rows = db.execute(f"SELECT {_COLUMNS}, messages FROM samples JOIN prompts USING (id) "
+                              "WHERE status = 'ungenerated' ORDER BY idx LIMIT ?", (n,)).fetchall()
+            db.executemany("UPDATE samples SET status = 'generating', attempts = attempts + 1, "
+                           "dispatched_at = ?, updated_at = ? WHERE id = ? AND "
+                           "status = 'ungenerated'", [(now, now, r[0]) for r in rows])
+        return [(Sample(*r[:-1]), json.loads(r[-1])) for r in rows]
+
+    def mark_generated(self, planned: PlannedSample, messages: list[dict],
+                       settings: dict[str, object]) -> bool:
+        """The target wrote the conversation: it is kept (checksummed) with the settings it was
+        written with, and the sample, now with its tokens, is pending extraction."""
+        text = json.dumps(messages, ensure_ascii=False)
+        with self.transaction() as db:
+            cur = db.execute("UPDATE samples SET status = 'pending', tokens = ?, loss_tokens = ?, "
+                             "ids_hash = ?, attempts = 0, error = NULL, updated_at = ? WHERE id = ? "
+                             "AND status = 'generating'", (planned.tokens, planned.loss_tokens,
+                                                           planned.ids_hash, time.time(),
+                                                           planned.id))
+            if cur.rowcount:
+                db.execute("INSERT OR REPLACE INTO generated VALUES (?, ?, ?, ?)",
+                           (planned.id, text, _checksum(text), json.dumps(settings)))
+                db.execute("INSERT OR REPLACE INTO plan_tokens VALUES (?, ?, ?)",
+                           (planned.id, planned.input_ids, planned.loss_mask))
+                self.event("generated", f"{planned.tokens} tokens", planned.id, db)
+        return bool(cur.rowcount)
+
+    def generated(self, sid: str) -> tuple[list[dict], dict[str, object]] | None:
+        """The conversation the target wrote for a sample and the settings it used, or None;
+        a stored text that no longer matches its checksum is an error, never returned."""
+        row = self.db.execute("SELECT messages, checksum, settings FROM generated WHERE id = ?",
+                              (sid,)).fetchone()
+        if row is None:
+            return None
+        if _checksum(row[0]) != row[1]:
+            raise LedgerError(f"the generated conversation of {sid} does not match its checksum")
+        return json.loads(row[0]), json.loads(row[2])
 
     def verified_fingerprint_rows(self) -> Iterator[tuple[str, str]]:
         yield from self.db.execute("SELECT id, checksum FROM samples WHERE status = 'verified' "

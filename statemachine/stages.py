@@ -10,11 +10,12 @@ from typing import NamedTuple
 
 from eagle3d.statemachine.ledger import Counts
 
-ORDER = ("plan", "extract", "verify", "train", "done")
+ORDER = ("plan", "generate", "extract", "verify", "train", "done")
 
 
 class Stage(str, Enum):
     PLAN = "plan"
+    GENERATE = "generate"  # only where the target writes the answers ([data] responses)
     EXTRACT = "extract"
     VERIFY = "verify"
     TRAIN = "train"
@@ -37,8 +38,8 @@ class Gate(NamedTuple):
 
 
 def gate(counts: Counts) -> Gate:
-    blocking = {s: counts.get(s) for s in ("pending", "inflight", "extracted", "failed")
-                if counts.get(s)}
+    blocking = {s: counts.get(s) for s in ("ungenerated", "generating", "pending", "inflight",
+                                           "extracted", "failed") if counts.get(s)}
     return Gate(not blocking and counts.get("verified") > 0, blocking)
 
 
@@ -67,6 +68,9 @@ def _work_stage(f: Facts) -> tuple[Stage, str]:
         return Stage.PLAN, "tokenizing conversations"
     if c.total == 0:
         return Stage.FAILED, "the plan produced no usable samples: check [data] source, first, limit"
+    if c.get("ungenerated") or c.get("generating"):
+        return Stage.GENERATE, (f"{c.get('ungenerated') + c.get('generating')} conversations "
+                                "for the target to answer")
     if c.get("pending") or c.get("inflight"):
         return Stage.EXTRACT, f"{c.get('pending') + c.get('inflight')} samples to extract"
     if c.get("extracted"):

@@ -40,16 +40,17 @@ def tokenize_conversation(tokenizer, messages) -> tuple[list[int], list[int]]:
 
 def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
     import torch
-    from eagle3d.capture import contract as contract_mod
-    from eagle3d.capture import dumpformat, target
-    from eagle3d.capture.conversations import iter_conversations
+    from eagle3d.dataset import contract as contract_mod
+    from eagle3d.dataset import dumpformat
+    from eagle3d.target import loading
+    from eagle3d.dataset.conversations import iter_conversations
     from eagle3d.statemachine import manifest
     from eagle3d.statemachine.ledger import Ledger, PlannedSample
 
     model_path = resolve_location(MODEL, Path("."))
-    tokenizer = target.load_tokenizer(model_path)
+    tokenizer = loading.load_tokenizer(model_path)
     # float32: GGUF kernels compute in float32 anyway; the dumps are stored in bf16.
-    model = target.load_model(model_path, "float32", "cpu")
+    model = loading.load_model(model_path, "float32", "cpu")
     cfg = model.config
     dataset_dir, state_dir = root / "dataset", root / "state"
     shard = dataset_dir / "shard-0000"

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3d.capture import contract, target
+from eagle3d.dataset import contract
+from eagle3d.target import loading
 from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import load_config, parse_config, resolve_location, to_toml
 from eagle3d.statemachine.ledger import Ledger
@@ -36,12 +37,12 @@ def test_the_config_in_force_loads_back_the_same_from_any_folder(config_factory,
 def test_the_weights_fingerprint_sees_an_edit_spread_over_a_file(tmp_path):
     weights = tmp_path / "model.safetensors"
     weights.write_bytes(bytes(range(256)) * (40 << 12))  # 40 MiB
-    before = target.fingerprint_file_or_folder(weights)
+    before = loading.fingerprint_file_or_folder(weights)
     data = bytearray(weights.read_bytes())
     for offset in range(4 << 20, len(data) - (4 << 20), 4096):  # a fine-tune touches the bulk
         data[offset] ^= 1
     weights.write_bytes(data)
-    assert target.fingerprint_file_or_folder(weights) != before
+    assert loading.fingerprint_file_or_folder(weights) != before
 
 
 SMOLLM_FILE = resolve_location(SMOLLM, REPO)
@@ -99,7 +100,7 @@ def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, t
             (restart,))]
         assert after, "nothing was extracted after the engine restart"
         paths = {sid: ledger.sample(sid).path for sid in after[:4]}
-    model = target.load_model(SMOLLM_FILE, "bfloat16", "cpu")
+    model = loading.load_model(SMOLLM_FILE, "bfloat16", "cpu")
     for sid, path in paths.items():
         dump = load_file(str(cfg.paths.dataset_dir / path))
         with torch.no_grad():

@@ -52,7 +52,7 @@ def test_every_sample_extracted_once_and_equal_to_an_independent_forward(config_
 
         from safetensors.torch import load_file
 
-        from eagle3d.capture.target import load_model
+        from eagle3d.target.loading import load_model
         model = load_model(cfg.target.model_path, "bfloat16", "cpu")
         for row in rows[:3]:
             dump = load_file(str(cfg.paths.dataset_dir / row.path))
@@ -130,7 +130,7 @@ def test_full_dataset_disk_mid_copy_leaves_the_dump_in_the_spool(tmp_path, small
         ledger = Ledger(tmp_path / "l.sqlite")
         tokens = 40_000  # ~6 MB of bf16 at hidden 16: larger than what is left on the disk
         ids = sample_ids(0, tokens)
-        from eagle3d.capture.dumpformat import ids_hash
+        from eagle3d.dataset.dumpformat import ids_hash
         ledger.add_planned([PlannedSample("a" * 32, 0, tokens, tokens, ids_hash(ids), ids, b"")],
                            [], {})
         ledger.claim(1, 10**9)

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from eagle3d.capture import contract, dumpformat
+from eagle3d.dataset import contract, dumpformat
 from eagle3d.daemon.extract_stage import ExtractStage
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
@@ -168,3 +168,19 @@ def test_the_loop_reaches_train_with_every_sample_verified(setup):
     assert ledger.counts().get("verified") == 10
     assert layout.manifest_file(cfg.paths.dataset_dir).exists()
     assert layout.config_in_force(cfg.paths.state_dir).exists()
+
+
+def test_an_engine_that_knows_it_cannot_capture_is_not_restarted(setup):
+    cfg, ledger, factory, engines, _ = setup
+    stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, factory)
+    try:
+        stage.step(EXTRACT)
+        engines[0].problem = "the capture plugin wrote no ready file"
+        engines[0].exit_code = 1
+        stage.step(EXTRACT)
+        stage.retry_at = 0
+        stage.step(EXTRACT)
+        assert len(engines) == 1
+        assert "no ready file" in stage.observe(ledger.counts())["blocked"]
+    finally:
+        stage.stop(time.monotonic() + 10, lambda: None)

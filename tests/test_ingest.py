@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.daemon import checksum
 from eagle3d.daemon.ingest import Ingestor, remove_dataset_debris
 from eagle3d.daemon.spool import Spool

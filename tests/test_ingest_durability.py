@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.daemon import verify_stage
 from eagle3d.daemon.durability import GroupSync, SyncFs, doubt_settled, page_cache_doubt
 from eagle3d.daemon.ingest import Ingestor

@@ -1,6 +1,6 @@
 """The contract's layer ids → what SGLang is told, per model family. Each `sglang_*` function below
 transcribes what SGLang's `set_eagle3_layers_to_capture` does with explicit ids (the source files
-are named in capture/layers.py); the mapping is right when SGLang ends up capturing exactly the
+are named in target/layers.py); the mapping is right when SGLang ends up capturing exactly the
 contract's layers (`layers_to_capture` holds the indices of the layers whose input is captured,
 which is the contract's convention)."""
 
@@ -10,8 +10,8 @@ import itertools
 
 import pytest
 
-from eagle3d.capture import layers
-from eagle3d.capture.contract import default_layer_ids
+from eagle3d.target import layers
+from eagle3d.dataset.contract import default_layer_ids
 
 
 def sglang_llama(ids: list[int]) -> list[int]:  # models/llama.py, qwen2.py, qwen3.py

@@ -31,8 +31,8 @@ def test_counts_follow_every_transition(ledger):
     ledger.mark_retry(claimed[2].id, "boom", max_attempts=3)
     ledger.mark_verified(claimed[0].id, "stat")
     c = ledger.counts()
-    assert c.n == {"pending": 1, "inflight": 2, "extracted": 0, "verified": 1, "failed": 1,
-                   "excluded": 0, "skipped": 1}
+    assert c.n == {"ungenerated": 0, "generating": 0, "pending": 1, "inflight": 2,
+                   "extracted": 0, "verified": 1, "failed": 1, "excluded": 0, "skipped": 1}
     assert c.bytes["verified"] == 100
     assert c.tokens["inflight"] == claimed[3].tokens + claimed[4].tokens
     actual = dict(ledger.db.execute("SELECT status, count(*) FROM samples GROUP BY status"))

@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3d.capture import contract, planner, target
-from eagle3d.capture.conversations import Conversation
+from eagle3d.capture import planner
+from eagle3d.dataset import contract
+from eagle3d.target import loading
+from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 
@@ -73,7 +75,7 @@ def ledger_rows(state_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def tokenizer():
     cfg = load_config(write_config(Path("/tmp"), SHAREGPT))
-    return target.load_tokenizer(cfg.target.model_path)
+    return loading.load_tokenizer(cfg.target.model_path)
 
 
 def masked_runs(tokenizer, sample) -> list[str]:
@@ -172,7 +174,7 @@ def test_truncated_sharegpt_tail_is_survived(tmp_path):
 
 def test_changed_contract_is_refused(tmp_path, tokenizer):
     cfg = load_config(write_config(tmp_path, SHAREGPT))
-    model_config = target.load_config(cfg.target.model_path)
+    model_config = loading.load_config(cfg.target.model_path)
     planner.ensure_contract(cfg.paths.dataset_dir,
                             planner.build_contract(cfg, tokenizer, model_config))
     other_layers = load_config(write_config(tmp_path, SHAREGPT, aux_layers="[3, 10, 20]"))
@@ -194,7 +196,7 @@ def test_resume_after_kill_gives_the_same_ledger(tmp_path, tokenizer):
     whole.mkdir(), killed.mkdir()
     cfg = load_config(write_config(whole, SHAREGPT, limit=limit))
     planner.ensure_contract(cfg.paths.dataset_dir, planner.build_contract(
-        cfg, tokenizer, target.load_config(cfg.target.model_path)))
+        cfg, tokenizer, loading.load_config(cfg.target.model_path)))
     with Ledger(cfg.paths.state_dir / "ledger.sqlite") as ledger:
         planner.plan(cfg, ledger, tokenizer, hidden_size=576)
 

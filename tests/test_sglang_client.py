@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.capture.sglang_client import SGLangClient
 from eagle3d.capture.sglang_plugin import (SPOT_FOLDER, SPOT_PREFIX, Capture, DumpWriter,
                                            ledger_loss_masks)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, Capture, CaptureError,
                                            CaptureSettings, DumpWriter, check_layers,
                                            handshake_problem, ledger_loss_masks, prepare,

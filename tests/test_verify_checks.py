@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import dumpformat
 from eagle3d.daemon import checksum, verify
 from eagle3d.daemon.verify import Expected, check_file, compare_dumps, verify_many
 

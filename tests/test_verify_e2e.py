@@ -11,7 +11,7 @@ import time
 import pytest
 import tomli_w
 
-from eagle3d.capture.dumpformat import read_header
+from eagle3d.dataset.dumpformat import read_header
 from eagle3d.daemon import control
 from eagle3d.statemachine import manifest
 from eagle3d.statemachine.config import load_config

@@ -16,7 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3d.capture import contract, dumpformat, target
+from eagle3d.dataset import contract, dumpformat
+from eagle3d.target import loading
 from eagle3d.capture.worker import Capturer, Job, _Pending, sub_batches
 from eagle3d.statemachine.config import resolve_location
 
@@ -88,7 +89,7 @@ def request(jobs: list[Job], out: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def model():
-    return target.load_model(resolve_location(MODEL, Path.cwd()), "float32", "cpu")
+    return loading.load_model(resolve_location(MODEL, Path.cwd()), "float32", "cpu")
 
 
 def test_sub_batches_bound_padded_tokens():

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import psutil
 
-from eagle3d.capture import contract as capture_contract
+from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon.verify import Expected, verify_many
 from eagle3d.statemachine import manifest
 from eagle3d.statemachine.config import Config, load_config

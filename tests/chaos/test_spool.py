@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.capture import contract as capture_contract
-from eagle3d.capture import dumpformat
+from eagle3d.dataset import contract as capture_contract
+from eagle3d.dataset import dumpformat
 from eagle3d.daemon import checksum
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger

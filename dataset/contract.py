@@ -3,7 +3,7 @@
 A dataset is never mixed across two contracts: every dump carries the contract's fingerprint and
 ingest rejects any other. Layer ids are always in one convention here: id i is the hidden state
 entering decoder layer i, which is Hugging Face's `hidden_states[i]`. Engines and exports that
-speak another convention translate at their edge (see capture/layers.py).
+speak another convention translate at their edge (see target/layers.py).
 """
 
 from __future__ import annotations

@@ -53,6 +53,13 @@ def load_model(model_path: Path, dtype: str, device: str) -> Any:
     return model.to(pick_device(device)).eval()
 
 
+def stop_tokens(tokenizer: Any, model: Any) -> set[int]:
+    """The token ids that end an answer: the tokenizer's end of sequence and the model's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    return {t for t in [tokenizer.eos_token_id, *ids] if isinstance(t, int)}
+
+
 # The weights fingerprint reads a few MiB per file, spread over all of it: hashing terabytes at
 # every start would be the slow part, while a model edited anywhere in the bulk of a file (a
 # fine-tune of the same shape) must not pass for the original.

@@ -1,0 +1,176 @@
+"""The generate child: `python -m eagle3d.capture.generator -c CONFIG`, where the target writes
+the assistant turns itself ([data] responses = "target").
+
+It works through the ledger as the planner does. It claims `ungenerated` conversations a batch
+at a time (they become `generating`), has the target answer their user turns one turn at a time,
+each answer conditioned on its own earlier answers (the batch decodes together, with a KV
+cache), tokenizes each finished conversation with the planner's `plan_batch` (token ids and the
+assistant loss mask, exactly as for a source's own answers), and commits it: the conversation,
+checksummed, with the settings it was written with, and the sample now pending extraction.
+
+A conversation stops taking turns when the next answer would not fit in [data] max_tokens. One
+that cannot be tokenized counts an attempt (failed, with the reason, after [generate]
+max_attempts). Killed, the generator loses only the batch in hand: the daemon returns
+`generating` conversations to `ungenerated`, counting the attempt.
+
+Exit codes: statemachine/entry.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+import torch
+
+from eagle3d.capture.planner import plan_batch
+from eagle3d.dataset import contract
+from eagle3d.dataset.conversations import Conversation
+from eagle3d.target import loading
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import Config, GenerateConfig
+from eagle3d.statemachine.entry import OK, child_main
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.lifecycle import die_with_parent
+
+log = logging.getLogger("eagle3d.generator")
+
+# Tokens kept free after an answer for the end-of-turn marker the chat template adds.
+END_MARGIN = 8
+# An answer shorter than this is not worth starting: the conversation ends before that turn.
+MIN_ANSWER = 16
+PROGRESS_EVERY_S = 10.0
+
+
+class Writer:
+    """The target answering a batch of conversations, turn by turn."""
+
+    def __init__(self, model: Any, tokenizer: Any, settings: GenerateConfig,
+                 max_tokens: int) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.settings, self.max_tokens = settings, max_tokens
+        self.eos = loading.stop_tokens(tokenizer, model)
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
+            else min(self.eos)
+        self.new_tokens = 0
+
+    def answer(self, prompts: list[list[dict]], seed: int) -> list[list[dict]]:
+        """Each prompt (system and user turns) with the target's answer after every user turn
+        that fits; the last turn is always an answer."""
+        convs: list[list[dict]] = [[] for _ in prompts]
+        left = [list(p) for p in prompts]
+        turn = 0
+        while True:
+            asks = []  # (conversation, prompt ids, room for the answer)
+            for i, conv in enumerate(convs):
+                ids = self._next_prompt(conv, left[i])
+                if ids is not None:
+                    asks.append((i, ids, min(self.settings.max_new_tokens,
+                                             self.max_tokens - len(ids) - END_MARGIN)))
+            if not asks:
+                return convs
+            torch.manual_seed(seed + turn)
+            answers = self._generate([ids for _, ids, _ in asks], max(r for *_, r in asks))
+            for (i, _, room), answer in zip(asks, answers):
+                answer = answer[:room]
+                self.new_tokens += len(answer)
+                text = self.tokenizer.decode(answer, skip_special_tokens=True)
+                convs[i].append({"role": "assistant", "content": text.strip()})
+                if len(answer) == room:  # cut by max_tokens: this conversation ends here
+                    left[i] = []
+            turn += 1
+
+    def _next_prompt(self, conv: list[dict], left: list[dict]) -> list[int] | None:
+        """Move the turns up to the next user turn into the conversation and return its prompt
+        ids, or None when it is finished (no user turn left, or no room for an answer)."""
+        taken = []
+        while left:
+            taken.append(left.pop(0))
+            if taken[-1]["role"] == "user":
+                break
+        if not taken or taken[-1]["role"] != "user":
+            return None
+        text = self.tokenizer.apply_chat_template(conv + taken, tokenize=False,
+                                                  add_generation_prompt=True)
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) + MIN_ANSWER + END_MARGIN > self.max_tokens:
+            left.clear()
+            return None
+        conv.extend(taken)
+        return ids
+
+    def _generate(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+        """One batched decode, left-padded; each answer up to (not including) its stop token."""
+        device = self.model.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        sample = self.settings.temperature > 0
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
+                do_sample=sample, temperature=self.settings.temperature if sample else None,
+                top_p=self.settings.top_p if sample else None, top_k=None,
+                pad_token_id=self.pad, eos_token_id=sorted(self.eos))
+        answers = []
+        for row in out[:, width:].tolist():
+            end = next((k for k, t in enumerate(row) if t in self.eos), len(row))
+            answers.append(row[:end])
+        return answers
+
+
+def _run(cfg: Config, args: argparse.Namespace) -> int:
+    die_with_parent(signal.SIGTERM)
+    doc = contract.read_checked(cfg.paths.dataset_dir)
+    fingerprint = loading.fingerprint_file_or_folder(cfg.target.model_path)
+    contract.check_target(doc, fingerprint, cfg.target.model)
+    device = loading.pick_device(cfg.target.device)
+    # Dequantized GGUF weights run fastest in float32 on a CPU; a GPU generates in the target's
+    # configured dtype.
+    model = loading.load_model(cfg.target.model_path,
+                              cfg.target.dtype if device == "cuda" else "float32", device)
+    tokenizer = loading.load_tokenizer(cfg.target.model_path)
+    writer = Writer(model, tokenizer, cfg.generate, cfg.data.max_tokens)
+    settings = {**cfg.generate._asdict(), "model": cfg.target.model,
+                "target_fingerprint": fingerprint}
+    started, done, last_report = time.monotonic(), 0, 0.0
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        while batch := ledger.claim_prompts(cfg.generate.batch_size):
+            seed = cfg.generate.seed + batch[0][0].idx
+            for (sample, _), messages in zip(batch, writer.answer([p for _, p in batch], seed)):
+                planned, skipped = plan_batch(tokenizer, [Conversation(sample.idx,
+                                                                       tuple(messages))],
+                                              cfg.data.max_tokens)
+                if planned:
+                    ledger.mark_generated(planned[0]._replace(id=sample.id), messages, settings)
+                    done += 1
+                else:
+                    why = skipped[0][1] if skipped else "nothing to tokenize"
+                    log.warning("sample %s: the generated conversation cannot be used: %s",
+                                sample.id, why)
+                    ledger.mark_retry(sample.id, f"generate: {why}", cfg.generate.max_attempts,
+                                      frm=("generating",))
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_EVERY_S:
+                last_report = now
+                log.info("generated %d conversations, %.0f new tokens/s", done,
+                         writer.new_tokens / (now - started))
+    log.info("generation done: %d conversations, %d new tokens, %.0f s", done, writer.new_tokens,
+             time.monotonic() - started)
+    return OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("generator", "The target writes the assistant turns (a daemon child).",
+                      _run, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""The generate stage ([data] responses = "target"): the generator child has the target write
+the assistant turns of every planned conversation (capture/generator.py), working through the
+ledger itself. The stage starts it, follows its progress from the ledger's counts, and when it
+dies returns what it held, counting an attempt for each, and starts it again (bounded).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eagle3d.daemon.children import Child, remaining
+from eagle3d.statemachine import entry, layout
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.ledger import Counts, Ledger
+from eagle3d.statemachine.stages import Decision, Stage
+
+log = logging.getLogger("eagle3d")
+
+RATE_WINDOW_S = 120.0
+
+
+class GenerateStage:
+    def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
+        self.cfg = cfg
+        self.ledger = ledger
+        self.pid_dir = pid_dir
+        self.child: Child | None = None
+        self.restarts = 0
+        self.retry_at = 0.0
+        self.problem: str | None = None
+        # (time, conversations left to generate): the rate is how fast that falls.
+        self.left: collections.deque[tuple[float, int]] = collections.deque()
+
+    def observe(self, counts: Counts) -> dict[str, Any]:
+        now = time.time()
+        self.left.append((now, counts.get("ungenerated") + counts.get("generating")))
+        while self.left and self.left[0][0] < now - RATE_WINDOW_S:
+            self.left.popleft()
+        return {"blocked": self.problem}
+
+    def rate(self) -> float:
+        """Conversations generated per second over the last two minutes."""
+        if len(self.left) < 2:
+            return 0.0
+        (t0, n0), (t1, n1) = self.left[0], self.left[-1]
+        return max(0, n0 - n1) / (t1 - t0) if t1 > t0 else 0.0
+
+    def eta(self) -> float | None:
+        rate = self.rate()
+        return self.left[-1][1] / rate if rate > 0 and self.left else None
+
+    def step(self, decision: Decision) -> None:
+        if self.child is not None:
+            code = self.child.poll()
+            if code is None:
+                return
+            self.child = None
+            self._exited(code)
+        if decision.stage != Stage.GENERATE or self.problem or time.time() < self.retry_at:
+            return
+        self.child = Child("generator", [sys.executable, "-m", "eagle3d.capture.generator", "-c",
+                                         str(layout.config_in_force(self.cfg.paths.state_dir))],
+                           self.pid_dir)
+
+    def _exited(self, code: int) -> None:
+        """Whatever the generator still held goes back, with an attempt counted: a conversation
+        that keeps killing the generator ends up failed, with the reason, not in a loop."""
+        held = self.ledger.samples("generating")
+        for sample in held:
+            self.ledger.mark_retry(sample.id, f"the generator exited with code {code}",
+                                   self.cfg.generate.max_attempts, frm=("generating",))
+        if code == entry.OK:
+            return
+        self.restarts += 1
+        self.ledger.event("generator_exit", f"code {code}, {len(held)} conversations returned")
+        limit = self.cfg.extract.engine_max_restarts
+        if code in (entry.REFUSED, entry.CONTRACT_MISMATCH):
+            self.problem = f"the generator refused to run (exit {code}); see the log"
+        elif self.restarts > limit:
+            self.problem = (f"the generator exited {self.restarts} times ([extract] "
+                            f"engine_max_restarts = {limit}); see the log")
+        else:
+            self.retry_at = time.time() + min(60.0, 2.0 ** self.restarts)
+            log.warning("the generator exited with code %s; %d conversations returned; "
+                        "restarting", code, len(held))
+            return
+        log.error("%s", self.problem)
+        self.ledger.event("generate_failed", self.problem)
+
+    def unblock(self) -> None:
+        self.problem = None
+        self.restarts = 0
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"status": "running" if self.child else "stopped",
+                               "restarts": self.restarts,
+                               "rate_per_s": round(self.rate(), 3), "problem": self.problem}
+        if self.child is not None:
+            out["pid"] = self.child.pid
+        return out
+
+    def stop(self, deadline: float) -> None:
+        """What it holds goes back to ungenerated with the daemon's own requeue at its stop."""
+        if self.child is not None:
+            self.child.stop(remaining(deadline, 10.0))
+            self.child = None

@@ -1,0 +1,94 @@
+"""[data] responses = "target": the target writes the assistant turns before extraction, with the
+real SmolLM2, the real generator child and the real daemon."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from safetensors.torch import load_file
+
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.target import loading
+from tests.pipeline import DaemonProcess, ctl, messages_config, status, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def target_config(config_factory, tmp_path, n: int, **generate):
+    return messages_config(config_factory, tmp_path, n, data={"responses": "target",
+                                                              "max_tokens": 256},
+                           generate={"max_new_tokens": 24, "batch_size": 4, **generate})
+
+
+def events(config, kind: str) -> list[str]:
+    cfg = load_config(config)
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
+        return [sid for _, k, sid in ledger.db.execute(
+            "SELECT seq, kind, sample FROM events WHERE kind = ? ORDER BY seq", (kind,))]
+
+
+def test_the_generated_conversations_are_what_training_reads(config_factory, tmp_path):
+    config = target_config(config_factory, tmp_path, 6)
+    with DaemonProcess(config, "--until", "train") as d:
+        st = d.status_until(lambda s: s["stage"] == "generate", 300, "the generate stage")
+        assert st["samples"]["ungenerated"] + st["samples"]["generating"] == 6
+        assert d.wait(900) == 0, d.output()[-4000:]
+    cfg = load_config(config)
+    tokenizer = loading.load_tokenizer(cfg.target.model_path)
+    source = [json.loads(line)["messages"] for line in open(cfg.data.source_path)]
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
+        samples = ledger.samples()
+        assert len(samples) == 6 and all(s.status == "verified" for s in samples)
+        for sample in samples:
+            messages, settings = ledger.generated(sample.id)
+            assert settings["max_new_tokens"] == 24 and settings["model"] == cfg.target.model
+            assert [m["role"] for m in messages] == ["user", "assistant"]
+            assert messages[0] == source[sample.idx][0]  # the user's turn is kept
+            assert messages[1]["content"] != source[sample.idx][1]["content"]
+            dump = load_file(str(cfg.paths.dataset_dir / sample.path))
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False)
+            assert dump["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)[
+                "input_ids"]
+    assert status(config)["samples"]["verified"] == 6
+
+
+def test_kill_9_during_generation_loses_and_duplicates_nothing(config_factory, tmp_path):
+    config = target_config(config_factory, tmp_path, 12, batch_size=2)
+    with DaemonProcess(config) as d:
+        st = d.status_until(lambda s: s["samples"]["pending"] >= 2 and
+                            s["generate"].get("pid"), 600, "some conversations generated")
+        subprocess.run(["kill", "-9", str(st["generate"]["pid"])], check=True)
+        d.proc.kill()
+        d.proc.wait()
+    with DaemonProcess(config, "--until", "extract") as d:
+        assert d.wait(900) == 0, d.output()[-4000:]
+    generated = events(config, "generated")
+    assert sorted(generated) == sorted(set(generated)) and len(generated) == 12
+    st = status(config)
+    assert st["samples"]["ungenerated"] == st["samples"]["generating"] == 0
+    assert st["samples"]["pending"] + st["samples"]["inflight"] + st["samples"]["extracted"] + \
+        st["samples"]["verified"] == 12
+
+
+def test_a_conversation_that_keeps_killing_the_generator_fails_with_its_reason(config_factory,
+                                                                                tmp_path):
+    config = target_config(config_factory, tmp_path, 2, batch_size=2, max_attempts=2)
+    with DaemonProcess(config) as d:
+        for _ in range(2):
+            st = d.status_until(lambda s: s["samples"]["generating"] == 2 and
+                                s["generate"].get("pid"), 600, "the generator at work")
+            subprocess.run(["kill", "-9", str(st["generate"]["pid"])], check=True)
+            wait_for(lambda: status(config)["samples"]["generating"] == 0, 60, "the requeue")
+        st = d.status_until(lambda s: s["samples"]["failed"] == 2, 120, "two failed samples")
+        assert st["stage"] == "verify" and "retry" in st["reason"]
+        failed = ctl(config, "samples", "--status", "failed", "--json")
+        assert all("generator exited with code -9" in row["error"]
+                   for row in json.loads(failed.stdout))
+        assert ctl(config, "retry", "--failed").returncode == 0
+        d.status_until(lambda s: s["samples"]["pending"] + s["samples"]["inflight"] +
+                       s["samples"]["extracted"] + s["samples"]["verified"] == 2, 600,
+                       "the retried conversations generated")
