@@ -15,6 +15,7 @@ import subprocess
 from typing import Any
 
 from eagle3d.capture.sglang_plugin import (ENTRY_POINT_GROUP, PLUGIN_NAME, CaptureSettings)
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config
 
 # The versions whose source the plugin was checked against: the `sglang.srt.plugins` hook
@@ -24,7 +25,6 @@ from eagle3d.statemachine.config import Config
 MIN_VERSION = (0, 5, 14)
 MAX_VERSION = (0, 5, 23)
 SUPPORTED = "sglang>=0.5.14,<0.5.24"
-LEDGER_FILE = "ledger.sqlite"
 
 # Flags eagle3d sets for capture to be correct; an operator's extra_args must not undo them.
 # - no radix cache: a request whose prefix is cached is prefilled only past the prefix;
@@ -79,7 +79,7 @@ def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], di
             *CAPTURE_FLAGS, *cfg.sglang.extra_args]
     settings = CaptureSettings(spool=cfg.paths.spool_dir, contract=contract["fingerprint"],
                                layer_ids=tuple(contract["layer_ids"]),
-                               ledger=cfg.paths.state_dir / LEDGER_FILE,
+                               ledger=layout.ledger(cfg.paths.state_dir),
                                token=secrets.token_hex(8))
     env = {**settings.to_env(), **SERVER_ENV}
     allowed = os.environ.get("SGLANG_PLUGINS", "")

@@ -95,3 +95,9 @@ def test_demo_config_is_valid():
     repo = os.path.dirname(os.path.dirname(__file__))
     cfg = load_config(os.path.join(repo, "etc", "demo.toml"))
     assert cfg.target.engine == "transformers" and cfg.data.limit > 0
+
+
+def test_target_answers_with_the_sglang_engine_are_refused_by_name(config_factory):
+    path = config_factory({"target": {"engine": "sglang"}, "data": {"responses": "target"}})
+    with pytest.raises(ConfigError, match=r"\[data.responses\].*SGLang engine does not generate"):
+        load_config(path)

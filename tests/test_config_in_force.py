@@ -51,8 +51,13 @@ SMOLLM_FILE = resolve_location(SMOLLM, REPO)
 def perturbed_model(folder: Path) -> Path:
     """SmolLM2 with noise on every MLP weight: the same shape, other weights."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    model = AutoModelForCausalLM.from_pretrained(SMOLLM_FILE.parent, gguf_file=SMOLLM_FILE.name,
-                                                 dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(SMOLLM_FILE.parent, gguf_file=SMOLLM_FILE.name,
+                                                  dtype=torch.bfloat16)
+    # A GGUF-loaded model cannot be saved: copy its weights into a plain model of its config.
+    config = loaded.config
+    config.quantization_config = None
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.load_state_dict(loaded.state_dict())
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, weight in model.named_parameters():
