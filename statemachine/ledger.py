@@ -12,7 +12,9 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
-SCHEMA_VERSION = 1
+# 2: events are indexed by kind. A ledger of an older version is brought up to this one when
+# it is opened for writing: the schema below only creates what is missing.
+SCHEMA_VERSION = 2
 
 STATUSES = ("pending", "inflight", "extracted", "verified", "failed", "excluded")
 
@@ -41,6 +43,9 @@ CREATE TABLE IF NOT EXISTS plan_tokens (
 CREATE TABLE IF NOT EXISTS skipped (idx INTEGER PRIMARY KEY, reason TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS events (
     seq INTEGER PRIMARY KEY, t REAL NOT NULL, kind TEXT NOT NULL, sample TEXT, detail TEXT);
+-- Verify weighs the few life and sync events among one event per sample and state change: by
+-- kind it reads those few (1 ms at a million events, where the table scan took 0.5 s).
+CREATE INDEX IF NOT EXISTS events_by_kind ON events (kind);
 CREATE TABLE IF NOT EXISTS counts (
     status TEXT PRIMARY KEY, n INTEGER NOT NULL, tokens INTEGER NOT NULL, bytes INTEGER NOT NULL);
 CREATE TRIGGER IF NOT EXISTS samples_ins AFTER INSERT ON samples BEGIN

@@ -112,3 +112,19 @@ def test_stage_derivation_order(ledger):
     paused = derive(Facts(c, plan_complete=True, budget_pause="disk budget: full"))
     assert paused.stage == Stage.PAUSED and paused.underlying == Stage.EXTRACT
     assert derive(Facts(c, plan_complete=True, blocked="contract")).stage == Stage.FAILED
+
+
+def test_a_ledger_of_the_previous_schema_is_upgraded_in_place(tmp_path):
+    path = tmp_path / "ledger.sqlite"
+    with Ledger(path) as old:
+        old.add_planned(planned(3), [], {})
+        old.event("daemon_started", "pid 1")
+        old.db.execute("DROP INDEX events_by_kind")  # what schema 1 had
+        old.db.execute("PRAGMA user_version = 1")
+    with Ledger(path) as led:
+        assert led.counts().get("pending") == 3
+        assert led.recent_events(1)[0][1:] == ("daemon_started", None, "pid 1")
+        # Verify's look for life events reads them by kind, not the whole table.
+        plan = led.db.execute("EXPLAIN QUERY PLAN SELECT seq FROM events WHERE seq > 0 AND "
+                              "kind IN ('daemon_started', 'daemon_stopped')").fetchall()
+        assert "events_by_kind" in str(plan)
