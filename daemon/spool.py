@@ -22,6 +22,13 @@ from eagle3d.capture import dumpformat
 
 log = logging.getLogger("eagle3d")
 
+# A dot-named file that is not a dump writer's temp file is nobody's dump: an editor's swap file,
+# an operator's note, the temp file of a copy that died. Once nothing has written to it for this
+# long it goes to rejected/ with its reason, like any other file that is not a dump: kept for
+# the operator (rejected/ keeps the first few whole, then only reasons), never deleted unseen,
+# and no longer a silent weight on [budget] spool_max that nothing reports.
+STRAY_AGE_S = 600.0
+
 
 class _Hint(FileSystemEventHandler):
     def __init__(self, spool: "Spool") -> None:
@@ -93,7 +100,11 @@ class Spool:
                 continue
             total += st.st_size
             if name.startswith("."):
-                _remove_dead_writer_temp(entry.path, name)
+                writer = _writer_pid(name)
+                if writer is not None:
+                    _remove_dead_writer_temp(entry.path, name, writer)
+                elif time.time() - st.st_mtime > STRAY_AGE_S:
+                    self.offer(name)  # ingest rejects it, with its reason
             elif entry.is_dir(follow_symlinks=False):
                 if name == "rejected":
                     total += sum(e.stat(follow_symlinks=False).st_size
@@ -107,13 +118,18 @@ class Spool:
         self.observer.join(timeout=5)
 
 
-def _remove_dead_writer_temp(path: str, name: str) -> None:
-    # The dump writer names its temp file `.<final name>.<pid>.tmp`.
+def _writer_pid(name: str) -> int | None:
+    """The pid in a dump writer's temp file name, `.<final name>.<pid>.tmp`, or None."""
     parts = name.split(".")
     if len(parts) >= 4 and parts[-1] == "tmp" and parts[-2].isdigit():
-        if not psutil.pid_exists(int(parts[-2])):
-            try:
-                os.unlink(path)
-                log.info("removed %s: its writer is gone", name)
-            except FileNotFoundError:
-                pass
+        return int(parts[-2])
+    return None
+
+
+def _remove_dead_writer_temp(path: str, name: str, writer: int) -> None:
+    if not psutil.pid_exists(writer):
+        try:
+            os.unlink(path)
+            log.info("removed %s: its writer is gone", name)
+        except FileNotFoundError:
+            pass

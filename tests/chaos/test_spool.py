@@ -141,6 +141,12 @@ def test_hostile_dumps_in_a_live_spool_never_reach_the_training_set(config_facto
              "is not <sample id>.safetensors")
         case("path traversal in a name", None, "a..%2F..%2Fetc%2Fpasswd.safetensors",
              f.dump(unknown), "is not <sample id>.safetensors")
+        stray = ".notes-left-by-an-operator"
+        (f.spool / stray).write_bytes(b"not a dump\n" * 400)
+        an_hour_ago = time.time() - 3600
+        os.utime(f.spool / stray, (an_hour_ago, an_hour_ago))
+        case("a dot-named file, no writer's temp file, untouched for an hour", None, stray, None,
+             "is not <sample id>.safetensors")
         j = next(s)
         case("path traversal in the metadata id", j, nm(j), f.dump(j, meta_id="../../../etc/passwd"),
              "malformed sample id")
@@ -196,7 +202,7 @@ def test_hostile_dumps_in_a_live_spool_never_reach_the_training_set(config_facto
         for what, (sid, data, name, reason) in cases.items():
             if sid and data:
                 assert ledger.sample(sid).checksum != checksum_of(data), what
-    assert audit(config, n, trained=False) == 0
+    assert figures.audited(audit(config, n, trained=False)) == 0
 
 
 def checksum_of(data: bytes) -> str:
@@ -245,4 +251,4 @@ def test_a_full_spool_pauses_extraction_and_fails_no_sample(config_factory, tmp_
             raise AssertionError(f"{c['failed']} samples failed because the spool was full; "
                                  f"a full spool must pause dispatch, not use up attempts: {errors}")
         assert d.wait(300) == 0, d.output()[-4000:]
-    assert audit(config, n, trained=False) == 0
+    assert figures.audited(audit(config, n, trained=False)) == 0
