@@ -363,6 +363,10 @@ def train(cfg: Config, rt: Runtime) -> int:
             return 0
     if metrics:
         metrics.close()
+    # The last step's checkpoint is on disk and the export is atomic: a stop has nothing left
+    # to wait for, and a trainer whose daemon was killed must not go on exporting beside the
+    # next daemon's trainer. The next trainer resumes at the last step and exports again.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if rt.main:
         progress.write("exporting", step=step, epoch=float(len(plans)))
         export(model, draft_vocab, contract, train_dir / "export")
