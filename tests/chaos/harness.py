@@ -8,14 +8,17 @@ import os
 import signal
 import sqlite3
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, Callable
 
 import psutil
+import tomli_w
 
 from eagle3d.capture import contract as capture_contract
 from eagle3d.daemon.verify import Expected, verify_many
 from eagle3d.statemachine import manifest
+from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import Config, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger
 from eagle3d.statemachine.statefile import read_state
@@ -68,6 +71,39 @@ def progress(cfg: Config) -> dict[str, Any]:
         return {}
 
 
+# A killed daemon leaves its state.toml, its children's pid files and the trainer's
+# progress.json behind. A campaign that waits on those kills the next life before it has done
+# anything (issue 19: plan lives killed before they logged a line, train lives killed before
+# their trainer started). These read only what the given life wrote.
+
+def life_state(cfg: Config, d: DaemonProcess) -> dict[str, Any]:
+    """state.toml, once this life has written it."""
+    st = state(cfg)
+    return st if st.get("daemon", {}).get("pid") == d.proc.pid else {}
+
+
+def life_child(cfg: Config, d: DaemonProcess, name: str) -> psutil.Process | None:
+    """This life's child `name` (planner, engine, trainer, evaluate), running."""
+    try:
+        rec = json.loads((cfg.paths.state_dir / "children" / f"{name}.json").read_text())
+        child = psutil.Process(int(rec["pid"]))
+        alive = child.status() != psutil.STATUS_ZOMBIE
+        return child if alive and child.ppid() == d.proc.pid else None
+    except (OSError, ValueError, KeyError, psutil.Error):
+        return None
+
+
+def trainer_progress(cfg: Config, d: DaemonProcess) -> dict[str, Any]:
+    """progress.json, once this life's running trainer has rewritten it."""
+    trainer = life_child(cfg, d, "trainer")
+    try:
+        fresh = trainer is not None and \
+            (cfg.paths.train_dir / "progress.json").stat().st_mtime >= trainer.create_time()
+    except (OSError, psutil.Error):
+        fresh = False
+    return progress(cfg) if fresh else {}
+
+
 def until(d: DaemonProcess | None, predicate: Callable[[], Any], timeout: float, what: str,
           poll: float = 0.05) -> Any:
     """Poll until predicate() is truthy; a daemon that exits meanwhile fails with its log."""
@@ -82,6 +118,26 @@ def until(d: DaemonProcess | None, predicate: Callable[[], Any], timeout: float,
         time.sleep(poll)
     log = d.output()[-4000:] if d is not None else ""
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{log}")
+
+
+def events_after(cfg: Config, seq: int) -> list[tuple[int, str, str]]:
+    """The ledger's events after sequence number `seq`: (seq, kind, detail)."""
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=5) as ledger:
+        return ledger.db.execute("SELECT seq, kind, detail FROM events WHERE seq > ? "
+                                 "ORDER BY seq", (seq,)).fetchall()
+
+
+def last_event(cfg: Config) -> int:
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True, timeout=5) as ledger:
+        return ledger.db.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+
+
+def edit_config(config: Path, section: str, key: str, value: Any) -> None:
+    """What an operator does before `systemctl reload`: one value changed, the file replaced
+    whole (an editor's save), so a reader never sees half of it."""
+    doc = tomllib.loads(config.read_text())
+    doc.setdefault(section, {})[key] = value
+    atomic_write_bytes(config, tomli_w.dumps(doc).encode())
 
 
 # ---- processes ------------------------------------------------------------------------------
@@ -213,8 +269,11 @@ def audit(config: Path, planned: int, trained: bool) -> int:
         done = cfg.paths.train_dir / "done.json"
         if not done.exists() or not (cfg.paths.train_dir / "export" / "config.json").exists():
             problems.append("no drafter: done.json or export/config.json is missing")
-        debris = [p.name for p in (cfg.paths.train_dir / "checkpoints").glob(".*")]
+        train = cfg.paths.train_dir
+        debris = [str(p.relative_to(train)) for p in (*train.glob(".*"),
+                                                        *(train / "checkpoints").glob(".*"))]
         if debris:
-            problems.append(f"partial checkpoints left: {debris}")
+            problems.append(f"partial checkpoints, exports or files left in the train folder: "
+                            f"{debris}")
     assert not problems, "after chaos:\n  " + "\n  ".join(problems)
     return lost
