@@ -151,13 +151,15 @@ def kill9(d: DaemonProcess) -> None:
 
 def processes_of(config: Path) -> list[psutil.Process]:
     """Every live process working for this config: the daemon, engine, planner, trainer ranks
-    and evaluation all carry the config path on their command line."""
+    and evaluation all carry a path of the test's folder on their command line (the config,
+    or a copy of it that the daemon keeps in its state folder)."""
     me = os.getpid()
+    folder = f"{config.parent}/"
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
             if p.pid != me and p.info["status"] != psutil.STATUS_ZOMBIE and \
-                    str(config) in " ".join(p.info["cmdline"] or []):
+                    folder in " ".join(p.info["cmdline"] or []):
                 found.append(p)
         except psutil.Error:
             continue

@@ -31,7 +31,9 @@ from tests.chaos.harness import (audit, chaos_config, counts, describe, edit_con
                                  orphans_after_kill, rank_processes, trainer_progress, until)
 from tests.pipeline import DaemonProcess, fill_file_system
 
-pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+# A guard against a hang only (every wait has its own limit and message): the campaign's lives
+# grow with SCALE, and one life costs a model load, which on a busy 2-core machine is minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(1200 * SCALE)]
 
 RESUMED = re.compile(r"resuming at step (\d+)")
 
