@@ -33,7 +33,7 @@ from tests.pipeline import DaemonProcess, fill_file_system
 
 # A guard against a hang only (every wait has its own limit and message): the campaign's lives
 # grow with SCALE, and one life costs a model load, which on a busy 2-core machine is minutes.
-pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(1200 * SCALE)]
+pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(2400 * SCALE)]
 
 RESUMED = re.compile(r"resuming at step (\d+)")
 
@@ -216,7 +216,7 @@ class Campaign:
 
     def kill_in_evaluation(self) -> None:
         d = self.start()
-        until(d, lambda: life_child(self.cfg, d, "evaluate"), 300, "this life's evaluation")
+        until(d, lambda: life_child(self.cfg, d, "evaluate"), 600, "this life's evaluation")
         time.sleep(self.rng.uniform(0.0, 5.0))
         self.kill(d, "evaluation")
 
