@@ -49,6 +49,7 @@ class Campaign:
         self.orphans: list[str] = []
         self.faults = 0
         self.done_kinds: collections.Counter[str] = collections.Counter()
+        self.lost: int | None = None  # measured by the audit, once it has run
 
     def start(self, *args: str) -> DaemonProcess:
         d = DaemonProcess(self.config, *args)
@@ -89,7 +90,9 @@ class Campaign:
     def summary(self) -> str:
         """What the campaign did, for the figures: printed whether it passed or not."""
         did = ", ".join(f"{n} x {what}" for what, n in self.done_kinds.items())
-        return f"campaign: {did or 'nothing'}; training resumed at {self.resumes()}"
+        audit = "its audit did not run" if self.lost is None else \
+            f"its audit: {self.lost} samples lost"
+        return f"campaign: {did or 'nothing'}; training resumed at {self.resumes()}; {audit}"
 
     # ---- the episodes -------------------------------------------------------------------------
 
@@ -222,6 +225,29 @@ class Campaign:
         time.sleep(self.rng.uniform(0.0, 5.0))
         self.kill(d, "evaluation")
 
+    def run(self, data_fs: Path, train_fs: Path) -> None:
+        for _ in range(SCALE):
+            self.kill_in_plan()
+        for i in range(SCALE):
+            self.kill_in_extract(data_fs, faults=i == 0)
+        for _ in range(SCALE):
+            self.kill_in_verify()
+        for _ in range(SCALE):
+            self.kill_in_train()
+        self.trainer_faults(train_fs)
+        self.kill_in_evaluation()
+        self.finish()
+
+    def check(self) -> None:
+        resumes = self.resumes()
+        flat = [s for life in resumes for s in life]
+        # Every life after the first resumed, never from before a checkpoint the one before made.
+        assert all(resumes[1:]) and flat == sorted(flat) and \
+            min(flat) >= self.cfg.train.checkpoint_every, \
+            f"training did not resume from its checkpoints: {resumes}"
+        final = counts(self.cfg)
+        assert final.get("failed", 0) == 0, f"samples failed on the way: {final}"
+
     def finish(self) -> None:
         d = self.start("--until", "done")
         code = d.wait(900)
@@ -251,31 +277,15 @@ def test_kill_9_at_random_moments_and_full_disks_lose_nothing(config_factory, tm
         train={"nproc": 2, "epochs": 1000.0, "max_steps": 10 * SCALE + 80})
     c = Campaign(config, rng, figures)
     try:
-        for _ in range(SCALE):
-            c.kill_in_plan()
-        for i in range(SCALE):
-            c.kill_in_extract(data_fs, faults=i == 0)
-        for _ in range(SCALE):
-            c.kill_in_verify()
-        for _ in range(SCALE):
-            c.kill_in_train()
-        c.trainer_faults(train_fs)
-        c.kill_in_evaluation()
-        c.finish()
+        c.run(data_fs, train_fs)
+        c.check()
+        c.lost = figures.audited(audit(config, n, trained=True))
+        assert c.lost == 0
+        assert not c.orphans, "orphan processes:\n  " + "\n  ".join(c.orphans)
+        figures.faults += c.faults
     finally:
         for d in c.lives:
             if d.proc.poll() is None:
                 d.proc.kill()
                 d.proc.wait()
         figures.notes.append(c.summary())
-    resumes = c.resumes()
-    every = c.cfg.train.checkpoint_every
-    flat = [s for life in resumes for s in life]
-    # Every life after the first resumed, never from before a checkpoint the one before made.
-    assert all(resumes[1:]) and flat == sorted(flat) and min(flat) >= every, \
-        f"training did not resume from its checkpoints: {resumes}"
-    final = counts(c.cfg)
-    assert final.get("failed", 0) == 0, f"samples failed on the way: {final}"
-    assert figures.audited(audit(config, n, trained=True)) == 0
-    assert not c.orphans, "orphan processes:\n  " + "\n  ".join(c.orphans)
-    figures.faults += c.faults
