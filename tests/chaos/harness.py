@@ -176,9 +176,12 @@ def describe(procs: list[psutil.Process]) -> str:
     return "; ".join(out)
 
 
-def orphans_after_kill(config: Path, grace: float = 3.0) -> list[psutil.Process]:
+def orphans_after_kill(config: Path, grace: float = 30.0) -> list[psutil.Process]:
     """What is still working for the config `grace` seconds after the daemon was killed:
-    children must die with the daemon (PR_SET_PDEATHSIG, process groups)."""
+    children must die with the daemon (PR_SET_PDEATHSIG, process groups). Trainer ranks first
+    finish their step and write a checkpoint, by design; two ranks on a busy 2-core machine
+    took more than 3 s for it. 30 s is the unit's RestartSec: the soonest systemd starts the
+    next life."""
     deadline = time.time() + grace
     while (left := processes_of(config)) and time.time() < deadline:
         time.sleep(0.1)
