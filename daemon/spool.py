@@ -67,6 +67,7 @@ class Spool:
                 self._cv.notify()
 
     def take(self, timeout: float) -> str | None:
+        self.rescan()  # the periodic one: hints get lost, and a paused engine reports nothing
         with self._cv:
             if not self._queue:
                 self._cv.wait(timeout)
@@ -85,9 +86,10 @@ class Spool:
         """List the spool: offer every dump, measure what it holds, and remove temp files whose
         writer is dead (a killed engine leaves them behind)."""
         now = time.monotonic()
-        if not force and now < self._next_rescan:
-            return
-        self._next_rescan = now + self.rescan_interval
+        with self._cv:  # every ingest thread calls this: one of them rescans
+            if not force and now < self._next_rescan:
+                return
+            self._next_rescan = now + self.rescan_interval
         total = 0
         try:
             entries = list(os.scandir(self.folder))

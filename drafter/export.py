@@ -78,8 +78,10 @@ def export(model: Eagle3Drafter, vocab: DraftVocab, contract: dict[str, Any],
     renamed into place, so a reader sees the old export or the new one."""
     out_dir = Path(out_dir)
     config = sglang_config(model.cfg, contract["layer_ids"], contract["architecture"])
+    # What a killed export left (another pid's temp or old folder): one trainer exports here.
+    for stale in out_dir.parent.glob(f".{out_dir.name}.*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file(export_tensors(model, vocab), str(tmp / WEIGHTS), metadata={"format": "pt"})

@@ -382,6 +382,10 @@ def train_loop(run: Run) -> bool:
 
 def finish(run: Run) -> None:
     """Export the drafter in SGLang's layout, plot the curves, and say it is done."""
+    # The last step's checkpoint is on disk and the export is atomic: a stop has nothing left
+    # to wait for, and a trainer whose daemon was killed must not go on exporting beside the
+    # next daemon's trainer. The next trainer resumes at the last step and exports again.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if run.progress is not None:
         epochs = float(len(run.plans))
         run.progress.write(train_files.EXPORTING, step=run.step, epoch=epochs)

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import tomli_w
 
+from eagle3d.statemachine.atomic import atomic_write_bytes
 from tests.conftest import venv_bin, write_conversations
 
 
@@ -122,8 +123,9 @@ def messages_config(config_factory: Callable[..., Path], tmp_path: Path, n: int,
 
 
 def edit_config(config: Path, section: str, **values: Any) -> None:
-    """Change keys of one section, as an operator editing the file would."""
+    """What an operator does before `systemctl reload`: values changed, the file replaced whole
+    (an editor's save), so a reader never sees half of it."""
     import tomllib
     doc = tomllib.loads(config.read_text())
-    doc[section].update(values)
-    config.write_text(tomli_w.dumps(doc))
+    doc.setdefault(section, {}).update(values)
+    atomic_write_bytes(config, tomli_w.dumps(doc).encode())

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import subprocess
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -22,16 +22,26 @@ SEED = int(os.environ.get("EAGLE3D_CHAOS_SEED", "8"))
 
 @dataclass
 class Figures:
+    """What the session measured. A figure is printed only when the check behind it ran: "0
+    samples lost" from a run whose audit never ran would be a default, not a measurement."""
     crashes: int = 0      # kill -9 of the daemon, the engine or a trainer rank
-    faults: int = 0       # faults survived: crashes, full disks, locks, damaged files
+    faults: int = 0       # faults survived: crashes, full disks, locks, damaged files, edits
     bad_inputs: int = 0   # hostile dumps, broken configs, bad requests, bad conversations
-    lost: int = 0         # samples planned but neither verified nor excluded at the end
+    lost: int = 0         # samples planned but neither verified nor excluded, over the audits
+    audits: int = 0       # end-of-run audits that ran to their end
+    notes: list[str] = field(default_factory=list)  # what a campaign did, failed or not
     ran: bool = False
 
+    def audited(self, lost: int) -> int:
+        self.audits += 1
+        self.lost += lost
+        return lost
+
     def line(self) -> str:
+        lost = (f"{self.lost} samples lost ({self.audits} audits)" if self.audits else
+                "samples lost not measured (no audit ran)")
         return (f"chaos (scale {SCALE}, seed {SEED}): {self.crashes} crashes injected, "
-                f"{self.faults} faults survived, {self.bad_inputs} bad inputs tried, "
-                f"{self.lost} samples lost")
+                f"{self.faults} faults survived, {self.bad_inputs} bad inputs tried, {lost}")
 
 
 FIGURES = Figures()
@@ -46,6 +56,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
     if FIGURES.ran:
         terminalreporter.write_sep("=", "chaos figures")
         terminalreporter.write_line(FIGURES.line())
+        for note in FIGURES.notes:
+            terminalreporter.write_line(f"  {note}")
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ import psutil
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon.verify import Expected, verify_many
-from eagle3d.statemachine import manifest
+from eagle3d.statemachine import layout, manifest
 from eagle3d.statemachine.config import Config, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger
 from eagle3d.statemachine.statefile import read_state
@@ -46,7 +46,7 @@ def chaos_config(config_factory: Callable, tmp_path: Path, n: int,
 
 def counts(cfg: Config) -> dict[str, int]:
     """The ledger's per-status counts, read directly (cheaper than eagle3ctl in a tight poll)."""
-    path = cfg.paths.state_dir / "ledger.sqlite"
+    path = layout.ledger(cfg.paths.state_dir)
     if not path.exists():
         return {}
     try:
@@ -68,6 +68,39 @@ def progress(cfg: Config) -> dict[str, Any]:
         return {}
 
 
+# A killed daemon leaves its state.toml, its children's pid files and the trainer's
+# progress.json behind. A campaign that waits on those kills the next life before it has done
+# anything (issue 19: plan lives killed before they logged a line, train lives killed before
+# their trainer started). These read only what the given life wrote.
+
+def life_state(cfg: Config, d: DaemonProcess) -> dict[str, Any]:
+    """state.toml, once this life has written it."""
+    st = state(cfg)
+    return st if st.get("daemon", {}).get("pid") == d.proc.pid else {}
+
+
+def life_child(cfg: Config, d: DaemonProcess, name: str) -> psutil.Process | None:
+    """This life's child `name` (planner, engine, trainer, evaluate), running."""
+    try:
+        rec = json.loads((layout.children_dir(cfg.paths.state_dir) / f"{name}.json").read_text())
+        child = psutil.Process(int(rec["pid"]))
+        alive = child.status() != psutil.STATUS_ZOMBIE
+        return child if alive and child.ppid() == d.proc.pid else None
+    except (OSError, ValueError, KeyError, psutil.Error):
+        return None
+
+
+def trainer_progress(cfg: Config, d: DaemonProcess) -> dict[str, Any]:
+    """progress.json, once this life's running trainer has rewritten it."""
+    trainer = life_child(cfg, d, "trainer")
+    try:
+        fresh = trainer is not None and \
+            (cfg.paths.train_dir / "progress.json").stat().st_mtime >= trainer.create_time()
+    except (OSError, psutil.Error):
+        fresh = False
+    return progress(cfg) if fresh else {}
+
+
 def until(d: DaemonProcess | None, predicate: Callable[[], Any], timeout: float, what: str,
           poll: float = 0.05) -> Any:
     """Poll until predicate() is truthy; a daemon that exits meanwhile fails with its log."""
@@ -84,6 +117,18 @@ def until(d: DaemonProcess | None, predicate: Callable[[], Any], timeout: float,
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}\n{log}")
 
 
+def events_after(cfg: Config, seq: int) -> list[tuple[int, str, str]]:
+    """The ledger's events after sequence number `seq`: (seq, kind, detail)."""
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True, timeout=5) as ledger:
+        return ledger.db.execute("SELECT seq, kind, detail FROM events WHERE seq > ? "
+                                 "ORDER BY seq", (seq,)).fetchall()
+
+
+def last_event(cfg: Config) -> int:
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True, timeout=5) as ledger:
+        return ledger.db.execute("SELECT max(seq) FROM events").fetchone()[0] or 0
+
+
 # ---- processes ------------------------------------------------------------------------------
 
 def kill9(d: DaemonProcess) -> None:
@@ -95,13 +140,15 @@ def kill9(d: DaemonProcess) -> None:
 
 def processes_of(config: Path) -> list[psutil.Process]:
     """Every live process working for this config: the daemon, engine, planner, trainer ranks
-    and evaluation all carry the config path on their command line."""
+    and evaluation all carry a path of the test's folder on their command line (the config,
+    or a copy of it that the daemon keeps in its state folder)."""
     me = os.getpid()
+    folder = f"{config.parent}/"
     found = []
     for p in psutil.process_iter(["pid", "cmdline", "status"]):
         try:
             if p.pid != me and p.info["status"] != psutil.STATUS_ZOMBIE and \
-                    str(config) in " ".join(p.info["cmdline"] or []):
+                    folder in " ".join(p.info["cmdline"] or []):
                 found.append(p)
         except psutil.Error:
             continue
@@ -118,9 +165,12 @@ def describe(procs: list[psutil.Process]) -> str:
     return "; ".join(out)
 
 
-def orphans_after_kill(config: Path, grace: float = 3.0) -> list[psutil.Process]:
+def orphans_after_kill(config: Path, grace: float = 30.0) -> list[psutil.Process]:
     """What is still working for the config `grace` seconds after the daemon was killed:
-    children must die with the daemon (PR_SET_PDEATHSIG, process groups)."""
+    children must die with the daemon (PR_SET_PDEATHSIG, process groups). Trainer ranks first
+    finish their step and write a checkpoint, by design; two ranks on a busy 2-core machine
+    took more than 3 s for it. 30 s is the unit's RestartSec: the soonest systemd starts the
+    next life."""
     deadline = time.time() + grace
     while (left := processes_of(config)) and time.time() < deadline:
         time.sleep(0.1)
@@ -162,7 +212,7 @@ def audit(config: Path, planned: int, trained: bool) -> int:
     samples lost (planned, but neither verified nor excluded). Raises on any other breach."""
     cfg = load_config(config)
     problems: list[str] = []
-    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
         kept = dict(ledger.db.execute("SELECT status, n FROM counts").fetchall())
         real = dict(ledger.db.execute("SELECT status, count(*) FROM samples GROUP BY status"))
         for s in STATUSES:
@@ -196,7 +246,8 @@ def audit(config: Path, planned: int, trained: bool) -> int:
     for sid, problem, _ in verify_many(items, 2):
         if problem:
             problems.append(f"dataset file of {sid} does not verify: {problem}")
-    expected = set(paths) | {manifest.FILE, capture_contract.FILE}
+    expected = set(paths) | {layout.manifest_file(cfg.paths.dataset_dir).name,
+                              layout.contract_file(cfg.paths.dataset_dir).name}
     on_disk = {str(p.relative_to(cfg.paths.dataset_dir)) for p in cfg.paths.dataset_dir.rglob("*")
                if not p.is_dir()}
     if on_disk - expected:
@@ -213,8 +264,11 @@ def audit(config: Path, planned: int, trained: bool) -> int:
         done = cfg.paths.train_dir / "done.json"
         if not done.exists() or not (cfg.paths.train_dir / "export" / "config.json").exists():
             problems.append("no drafter: done.json or export/config.json is missing")
-        debris = [p.name for p in (cfg.paths.train_dir / "checkpoints").glob(".*")]
+        train = cfg.paths.train_dir
+        debris = [str(p.relative_to(train)) for p in (*train.glob(".*"),
+                                                        *(train / "checkpoints").glob(".*"))]
         if debris:
-            problems.append(f"partial checkpoints left: {debris}")
+            problems.append(f"partial checkpoints, exports or files left in the train folder: "
+                            f"{debris}")
     assert not problems, "after chaos:\n  " + "\n  ".join(problems)
     return lost

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import struct
+import tempfile
 import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -97,13 +100,19 @@ def grow_after_rename(forger: Forger, sid: str, stop: threading.Event) -> None:
             time.sleep(0.01)
 
 
+@pytest.fixture
+def staging() -> Iterator[Path]:
+    """Where dumps are made before their rename into the spool: the spool's file system."""
+    folder = Path(tempfile.mkdtemp(prefix="eagle3d-chaos-staging-", dir="/dev/shm"))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_hostile_dumps_in_a_live_spool_never_reach_the_training_set(config_factory, tmp_path,
-                                                                    figures):
+                                                                    staging, figures):
     n = 16
     config = chaos_config(config_factory, tmp_path, n, **SMALL)
     cfg = load_config(config)
-    staging = Path("/dev/shm") / f"eagle3d-chaos-staging-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
     stop = threading.Event()
     with DaemonProcess(config, "--until", "train") as d:
         until(d, lambda: counts(cfg).get("pending") == n, 120, "the plan")
