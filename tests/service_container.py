@@ -31,6 +31,10 @@ MIRROR = "http://deb.debian.org/debian"
 # operator's commands (ps, pgrep).
 PACKAGES = ("systemd", "systemd-sysv", "dbus", "python3", "python3-venv", "procps", "sudo",
             "make", "ca-certificates")
+# debootstrap leaves the host's /etc/hostname and no /etc/hosts; any installed machine resolves
+# its own name (sudo asks) and localhost (torchrun's rendezvous connects to it).
+HOSTNAME = "eagle3d-test"
+HOSTS = f"127.0.0.1\tlocalhost\n127.0.1.1\t{HOSTNAME}\n::1\tlocalhost ip6-localhost\n"
 # A root is complete once this file holds the recipe it was built from; another recipe rebuilds.
 STAMP = ".eagle3d-root"
 # The host's pip setup (root's and the system's config, the CA bundle, the local wheel folders
@@ -53,7 +57,7 @@ def build_root(root: Path = ROOT) -> Path:
     """The cached container root, built by debootstrap (a few minutes) when missing or when
     PACKAGES changed. Built beside under .partial and renamed, so an interrupted build is
     never mistaken for a finished one."""
-    recipe = f"{SUITE} {MIRROR} {' '.join(PACKAGES)}\n"
+    recipe = f"{SUITE} {MIRROR} {' '.join(PACKAGES)}\n{HOSTNAME}\n{HOSTS}"
     stamp = root / STAMP
     if stamp.exists() and stamp.read_text() == recipe:
         return root
@@ -64,6 +68,8 @@ def build_root(root: Path = ROOT) -> Path:
     partial.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(PACKAGES)}", SUITE,
                     str(partial), MIRROR], check=True, capture_output=True, text=True)
+    (partial / "etc" / "hostname").write_text(HOSTNAME + "\n")
+    (partial / "etc" / "hosts").write_text(HOSTS)
     (partial / STAMP).write_text(recipe)
     partial.rename(root)
     return root
@@ -109,7 +115,7 @@ class Container:
         # --keep-unit --register=no: there is no host systemd to ask for a scope or a machine.
         self.nspawn = subprocess.Popen(
             ["systemd-nspawn", "--keep-unit", "--register=no", "--console=passive",
-             "--ephemeral", "--machine=eagle3d-test", "-D", str(self.root),
+             "--ephemeral", f"--machine={HOSTNAME}", "-D", str(self.root),
              *self.binds, "-b"],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
