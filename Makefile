@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.eagle3d-installed
 CONFIG ?= etc/demo.toml
 
-.PHONY: setup demo test test-fast test-all chaos-large install uninstall clean
+.PHONY: setup demo test test-fast test-all test-service chaos-large install uninstall clean
 
 setup: $(STAMP)
 
@@ -23,13 +23,20 @@ demo: setup
 	$(BIN)/eagle3ctl -c $(CONFIG) status || true  # exit 3: the daemon has finished
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not long"
+	$(BIN)/python -m pytest -q -m "not long and not container"
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -m "not slow and not container"
 
 test-all: setup
 	$(BIN)/python -m pytest -q
+
+# The installed service driven by systemctl in a booted systemd container (docs/operations.md,
+# "Tested for real"). Root only; the container root is built once under .container/.
+test-service: setup
+	command -v systemd-nspawn >/dev/null && command -v debootstrap >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends systemd-container debootstrap; }
+	$(BIN)/python -m pytest -q -s -m container tests/test_service_container.py
 
 # The reliability suite at ten times its CI size (see tests/chaos/README.md).
 chaos-large: setup

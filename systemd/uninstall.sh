@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# `make uninstall`: stops and removes the service and the venv. Keeps what took work to make:
-# the config (your edits), /var/lib/eagle3d (the ledger), /data/eagle3d (the dataset: days of
-# GPU time) and the eagle3d user that owns them. It prints how to remove those by hand.
+# `make uninstall`: stops and removes the service, the venv and the spool. Keeps what took work
+# to make: the config and drop-ins (your edits), /var/lib/eagle3d (the ledger), /data/eagle3d (the
+# dataset: days of GPU time) and the eagle3d user that owns them. It prints how to remove those
+# by hand.
 # DESTDIR: as in install.sh.
 set -euo pipefail
 
@@ -19,6 +20,9 @@ fi
 rm -f "$DESTDIR/etc/systemd/system/eagle3d.service"
 rm -f "$DESTDIR/usr/local/bin/eagle3ctl"
 rm -rf "$DESTDIR/opt/eagle3d"
+# The spool of the production config: dumps not yet ingested, which the ledger has put back to
+# extract again. A spool_dir elsewhere is left to the operator.
+rm -rf "$DESTDIR/dev/shm/eagle3d"
 if [[ -z $DESTDIR && -d /run/systemd/system ]]; then
     systemctl daemon-reload
 fi
@@ -26,6 +30,12 @@ fi
 cat <<'MSG'
 eagle3d uninstalled. Kept, remove by hand if no longer wanted:
   /etc/eagle3d              rm -r /etc/eagle3d
+MSG
+# `systemctl edit eagle3d` writes here; a new `make install` takes them up again.
+if [[ -d $DESTDIR/etc/systemd/system/eagle3d.service.d ]]; then
+    echo "  /etc/systemd/system/eagle3d.service.d   rm -r /etc/systemd/system/eagle3d.service.d   (your drop-ins)"
+fi
+cat <<'MSG'
   /var/lib/eagle3d          rm -r /var/lib/eagle3d   (the ledger: the dataset resumes from it)
   /data/eagle3d             rm -r /data/eagle3d      (the dataset and trained drafters)
   user eagle3d              userdel eagle3d
