@@ -30,6 +30,7 @@ from eagle3d.daemon.snapshot import snapshot
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.daemon.verify_stage import VerifyStage
 from eagle3d.statemachine import entry, layout, stages
+from eagle3d.statemachine.atomic import remove_dead_temps
 from eagle3d.statemachine.config import (Config, ConfigError, load_config, reload_problem,
                                           write_in_force)
 from eagle3d.statemachine.ledger import Ledger
@@ -134,6 +135,9 @@ class Daemon:
         n = self.ledger.requeue_inflight("daemon (re)started")
         if n:
             log.info("returned %d in-flight samples to pending", n)
+        for name in remove_dead_temps(self.cfg.paths.state_dir) + remove_dead_temps(
+                self.cfg.paths.train_dir):
+            log.info("removed %s: its writer is gone", name)
         removed = remove_dataset_debris(self.cfg.paths.dataset_dir, self.ledger)
         if removed:
             log.info("removed %d dataset files left by an interrupted ingest", len(removed))

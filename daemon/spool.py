@@ -14,14 +14,25 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
 from eagle3d.dataset import dumpformat
 from eagle3d.statemachine import layout
+from eagle3d.statemachine.atomic import remove_dead_temps, writer_pid
 
 log = logging.getLogger("eagle3d")
+
+
+class _StopRace(logging.Filter):
+    """watchdog's inotify thread logs an error when a last event arrives as the observer stops:
+    a race inside the library, harmless, and a false error in `journalctl -p err`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "called when the thread is inactive" not in record.getMessage()
+
+
+logging.getLogger("watchdog.observers.inotify").addFilter(_StopRace())
 
 # A dot-named file that is not a dump writer's temp file is nobody's dump: an editor's swap file,
 # an operator's note, the temp file of a copy that died. Once nothing has written to it for this
@@ -103,10 +114,9 @@ class Spool:
                 continue
             total += st.st_size
             if name.startswith("."):
-                writer = _writer_pid(name)
-                if writer is not None:
-                    _remove_dead_writer_temp(entry.path, name, writer)
-                elif time.time() - st.st_mtime > STRAY_AGE_S:
+                if writer_pid(name) is not None:
+                    continue  # a live writer's, or removed below once its writer is gone
+                if time.time() - st.st_mtime > STRAY_AGE_S:
                     self.offer(name)  # ingest rejects it, with its reason
             elif entry.is_dir(follow_symlinks=False):
                 if name == layout.rejected_dir(self.folder).name:
@@ -114,6 +124,8 @@ class Spool:
                                  for e in os.scandir(entry.path))
             else:
                 self.offer(name)
+        for name in remove_dead_temps(self.folder):
+            log.info("removed %s: its writer is gone", name)
         self.bytes_waiting = total
 
     def stop(self) -> None:
@@ -121,18 +133,3 @@ class Spool:
         self.observer.join(timeout=5)
 
 
-def _writer_pid(name: str) -> int | None:
-    """The pid in a dump writer's temp file name, `.<final name>.<pid>.tmp`, or None."""
-    parts = name.split(".")
-    if len(parts) >= 4 and parts[-1] == "tmp" and parts[-2].isdigit():
-        return int(parts[-2])
-    return None
-
-
-def _remove_dead_writer_temp(path: str, name: str, writer: int) -> None:
-    if not psutil.pid_exists(writer):
-        try:
-            os.unlink(path)
-            log.info("removed %s: its writer is gone", name)
-        except FileNotFoundError:
-            pass

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from eagle3d.statemachine.atomic import temp_path
+
 FORMAT = "eagle3d-dump/1"
 SUFFIX = ".safetensors"
 # Sample ids are content hashes: lowercase hex, so an id is always a safe file name.
@@ -93,7 +95,7 @@ def write_dump(folder: str | os.PathLike, sample_id: str, contract: str,
         buffers.append(view)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # keep tensor data 8-byte aligned
-    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    tmp = temp_path(final)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         with os.fdopen(fd, "wb", buffering=0) as f:

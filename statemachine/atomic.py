@@ -6,11 +6,51 @@ import os
 from pathlib import Path
 
 
+def temp_path(path: Path) -> Path:
+    """Where a file is written before its rename: `.<name>.<writer's pid>.tmp` beside it, so
+    that what a killed writer left can be told from a live writer's work."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
+def writer_pid(name: str) -> int | None:
+    """The writer's pid in a temp file's name, or None for any other name."""
+    parts = name.split(".")
+    if len(parts) >= 4 and parts[0] == "" and parts[-1] == "tmp" and parts[-2].isdigit():
+        return int(parts[-2])
+    return None
+
+
+def remove_dead_temps(folder: str | os.PathLike) -> list[str]:
+    """Remove the temp files whose writer is gone (killed between its write and its rename:
+    nothing else would ever remove them); returns their names."""
+    removed = []
+    for path in Path(folder).glob(".*.tmp"):
+        pid = writer_pid(path.name)
+        if pid is None or _alive(pid):
+            continue
+        try:
+            path.unlink()
+            removed.append(path.name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        pass
+    return True
+
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o640) -> None:
     """Temp file in the same folder, fsync, rename over the target, fsync the folder: a reader
     sees the old file or the new one, never a mix, even across a crash or power cut."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp = temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
     try:
         view = memoryview(data)

@@ -128,3 +128,18 @@ def test_a_ledger_of_the_previous_schema_is_upgraded_in_place(tmp_path):
         plan = led.db.execute("EXPLAIN QUERY PLAN SELECT seq FROM events WHERE seq > 0 AND "
                               "kind IN ('daemon_started', 'daemon_stopped')").fetchall()
         assert "events_by_kind" in str(plan)
+
+
+def test_a_killed_writers_temp_file_is_removed_and_a_live_ones_kept(tmp_path):
+    import os
+    import subprocess
+
+    from eagle3d.statemachine.atomic import remove_dead_temps
+    gone = subprocess.Popen(["true"])  # a writer that has exited
+    gone.wait()
+    (tmp_path / f".state.toml.{gone.pid}.tmp").write_text("half")
+    (tmp_path / f".state.toml.{os.getpid()}.tmp").write_text("mine")
+    (tmp_path / ".note").write_text("not a temp file")
+    assert remove_dead_temps(tmp_path) == [f".state.toml.{gone.pid}.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".note",
+                                                         f".state.toml.{os.getpid()}.tmp"]
