@@ -84,14 +84,15 @@ class Daemon:
         self.verify = VerifyStage(cfg, self.ledger, lambda: self.extract.ready_engine)
         self.train = TrainStage(cfg, self.ledger, pid_dir, self.verify.verified_fingerprint)
         self.extract.on_engine_exit = self.verify.engine_exited
+        self.stages = (self.plan, self.generate, self.extract, self.verify, self.train)
         self._last_state = 0.0
         self._last_ping = 0.0
 
     # ---- life cycle ---------------------------------------------------------------------------
 
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, self._on_stop)
-        signal.signal(signal.SIGINT, self._on_stop)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
         self.recover()
         self.notifier.ready()
@@ -174,7 +175,7 @@ class Daemon:
             self._last_state = 0.0
         self.decision = decision
         if not self.until_met():  # `--until train` must not start the trainer it will not wait for
-            for stage in (self.plan, self.generate, self.extract, self.verify, self.train):
+            for stage in self.stages:
                 stage.step(decision)
         self.publish()
 
@@ -183,9 +184,8 @@ class Daemon:
         facts: dict[str, Any] = {}
         blocked = []
         fingerprint = self.verify.verified_fingerprint() if stages.gate(counts).open else None
-        for part in (self.plan.observe(), self.generate.observe(counts),
-                     self.extract.observe(counts),
-                     self.verify.observe(counts), self.train.observe(fingerprint)):
+        for part in (self.plan.observe(), self.generate.observe(counts), self.extract.observe(
+                counts), self.verify.observe(counts), self.train.observe(fingerprint)):
             blocked.append(part.pop("blocked", None))
             facts.update(part)
         return Facts(counts=counts, operator_pause=self.ledger.meta("pause"),
@@ -193,11 +193,8 @@ class Daemon:
 
     def unblock(self, all_failed: bool) -> None:
         """An operator's retry: the stages try again what had stopped them."""
-        self.plan.unblock()
-        self.generate.unblock()
-        self.extract.unblock()
-        if all_failed:
-            self.train.unblock()
+        for stage in (self.plan, self.generate, self.extract, *([self.train] if all_failed else [])):
+            stage.unblock()
 
     def reload(self) -> None:
         """SIGHUP: take a new config if it validates and keeps the dataset's contract."""
@@ -215,9 +212,8 @@ class Daemon:
             write_in_force(new)
             self.cfg = new
             self.config_problem = None
-            for stage in (self.plan, self.generate, self.extract, self.train):
+            for stage in self.stages:
                 stage.cfg = new
-            self.verify.configure(new)
             self.plan.unblock()
             self.train.unblock()
             log.info("config reloaded from %s", new.path)

@@ -202,7 +202,6 @@ class VerifyStage:
     then the manifest that lets training start."""
 
     def __init__(self, cfg: Config, ledger: Ledger, engine: Callable[[], Any]) -> None:
-        self.cfg = cfg
         self.ledger = ledger
         self.engine = engine  # the extract stage's engine once ready, lent for the spot check
         # Opened before anything is written, to hear of every write-back error (durability.py).
@@ -210,11 +209,18 @@ class VerifyStage:
         self.runner: VerifyRunner | None = None
         self.contract: dict[str, Any] | None = None
         self.spot = SpotCheck(cfg, ledger)
+        self.cfg = cfg
         self._fingerprint: tuple[int, str] = (-1, "")
         self._manifest: tuple[int, str | None] = (-1, None)
 
-    def configure(self, cfg: Config) -> None:
-        self.cfg = self.spot.cfg = cfg
+    @property
+    def cfg(self) -> Config:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: Config) -> None:
+        """A reloaded config reaches the spot check and the verify passes too."""
+        self._cfg = self.spot.cfg = cfg
         if self.runner is not None:
             self.runner.cfg = cfg
 
