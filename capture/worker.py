@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import logging
 import math
 import os
 import signal

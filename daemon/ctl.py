@@ -14,7 +14,6 @@ import os
 import sqlite3
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 from eagle3d.statemachine import layout, train_files

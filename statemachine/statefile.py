@@ -30,9 +30,15 @@ def _clean(value: Any) -> Any:
     return value
 
 
+# The last table of the file: a reader that finds it knows the file is whole (a torn copy, say
+# from a restore or a copy tool, can still parse, with its last tables missing).
+_END = "end"
+
+
 def write_state(state_dir: Path, state: dict[str, Any]) -> None:
     import tomli_w  # here, not at the top: eagle3ctl only reads, and must start in a blink
-    atomic_write_bytes(layout.state_file(state_dir), tomli_w.dumps(_clean(state)).encode())
+    doc = {**_clean(state), _END: {"whole": True}}
+    atomic_write_bytes(layout.state_file(state_dir), tomli_w.dumps(doc).encode())
 
 
 def read_state(state_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -40,8 +46,9 @@ def read_state(state_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
     path = layout.state_file(state_dir)
     try:
         state = tomllib.loads(path.read_bytes().decode("utf-8"))
-        if "stage" not in state:
-            return None, f"{path} is incomplete (no stage); the daemon rewrites it every few seconds"
+        if "stage" not in state or _END not in state:
+            return None, f"{path} is incomplete; the daemon rewrites it every few seconds"
+        del state[_END]
         return state, None
     except FileNotFoundError:
         return None, f"no {path.name} yet (the daemon has not run with this config)"

@@ -10,9 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
-from eagle3d.daemon import control
 from eagle3d.statemachine import layout
 from tests.conftest import venv_bin, write_conversations
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.statemachine import config as cfgmod
 from eagle3d.statemachine.config import Config, load_config, parse_size
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "etc" / "eagle3d.toml"

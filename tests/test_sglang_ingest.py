@@ -17,7 +17,7 @@ from eagle3d.capture.sglang_plugin import Capture, DumpWriter, ledger_loss_masks
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations
-from tests.pipeline import DaemonProcess, status
+from tests.pipeline import DaemonProcess
 
 pytestmark = pytest.mark.slow
 

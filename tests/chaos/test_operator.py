@@ -14,6 +14,7 @@ import pytest
 import tomli_w
 
 from eagle3d.daemon import control
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.harness import chaos_config, until
