@@ -295,11 +295,13 @@ def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
         c = contract.read(cfg.paths.dataset_dir)
         if c is None:
             print("no capture contract yet: the plan stage writes it "
-                  f"({cfg.paths.dataset_dir}/capture.toml)", file=sys.stderr)
+                  f"({layout.contract_file(cfg.paths.dataset_dir)})", file=sys.stderr)
             return 1
         argv, env = launch_command(cfg, c)
     else:
-        argv, env = [sys.executable, "-m", "eagle3d.capture.worker", "-c", str(cfg.path)], {}
+        # The daemon starts it from the config in force, which it writes into the state folder.
+        argv, env = [sys.executable, "-m", "eagle3d.capture.worker", "-c",
+                     str(layout.config_in_force(cfg.paths.state_dir))], {}
     print(shell_line(argv, env))
     return 0
 
