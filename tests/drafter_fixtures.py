@@ -55,7 +55,9 @@ def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
     dataset_dir, state_dir = root / "dataset", root / "state"
     shard = dataset_dir / "shard-0000"
     shard.mkdir(parents=True)
-    contract = {"format": dumpformat.FORMAT, "target": MODEL, "target_fingerprint": "fixture",
+    # The real weights fingerprint: the trainer and the evaluation refuse any other.
+    contract = {"format": dumpformat.FORMAT, "target": MODEL,
+                "target_fingerprint": loading.fingerprint_file_or_folder(model_path),
                 "tokenizer_fingerprint": "fixture", "chat_template_fingerprint": "fixture",
                 "layer_ids": LAYER_IDS, "layer_convention": contract_mod.LAYER_CONVENTION,
                 "final_state": contract_mod.FINAL_STATE, "dtype": "bfloat16",
@@ -104,7 +106,7 @@ def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
 
 def cached_dataset(n: int, first: int = 0, max_tokens: int = 512) -> Path:
     """A folder with `dataset/` and `state/` (ledger), built on first use. Returns the folder."""
-    key = hashlib.blake2b(f"{n}:{first}:{max_tokens}:v1".encode(), digest_size=6).hexdigest()
+    key = hashlib.blake2b(f"{n}:{first}:{max_tokens}:v2".encode(), digest_size=6).hexdigest()
     root = Path(tempfile.gettempdir()) / f"eagle3d-drafter-fixture-{key}"
     if (root / "done").exists():
         return root

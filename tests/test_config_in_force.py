@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eagle3d.daemon import control
 from eagle3d.dataset import contract
-from eagle3d.target import loading
 from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import load_config, parse_config, resolve_location, to_toml
 from eagle3d.statemachine.ledger import Ledger
+from eagle3d.target import loading
 from tests.conftest import REPO, SMOLLM
 from tests.pipeline import DaemonProcess, ctl, edit_config, messages_config, status
 
@@ -76,9 +77,9 @@ def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, t
     edited = perturbed_model(tmp_path / "edited-model")
     with DaemonProcess(config, "--until", "extract") as d:  # the plan only
         assert d.wait(300) == 0, d.output()[-4000:]
+    # Paused from the daemon's first tick: nothing is extracted by the first engine.
+    control.submit(load_config(config).paths.state_dir, "pause", {"reason": "model swap"})
     with DaemonProcess(config, "--until", "train") as d:
-        # Paused before the engine can be ready: nothing is extracted by the first engine.
-        assert ctl(config, "pause", "--reason", "model swap").returncode == 0
         st = d.status_until(lambda s: s["engine"].get("status") == "ready", 300, "the engine")
         assert st["samples"]["pending"] == 40
         edit_config(config, "target", model=str(edited))
