@@ -183,9 +183,11 @@ class Daemon:
         counts = self.ledger.counts()
         facts: dict[str, Any] = {}
         blocked = []
+        # The verified set's fingerprint costs a pass over it: only worth it once the gate is
+        # open, when it changes rarely (per-sample cost must stay flat at a million samples).
         fingerprint = self.verify.verified_fingerprint() if stages.gate(counts).open else None
         for part in (self.plan.observe(), self.generate.observe(counts), self.extract.observe(
-                counts), self.verify.observe(counts), self.train.observe(fingerprint)):
+                counts), self.verify.observe(fingerprint), self.train.observe(fingerprint)):
             blocked.append(part.pop("blocked", None))
             facts.update(part)
         return Facts(counts=counts, operator_pause=self.ledger.meta("pause"),

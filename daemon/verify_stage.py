@@ -243,10 +243,8 @@ class VerifyStage:
             self._manifest = (mtime, doc.get("fingerprint") if doc else None)
         return self._manifest[1]
 
-    def observe(self, counts: Counts) -> dict[str, Any]:
-        # The verified set's fingerprint costs a pass over it: only worth it once the gate is
-        # open, when it changes rarely (per-sample cost must stay flat at a million samples).
-        fingerprint = self.verified_fingerprint() if stages.gate(counts).open else None
+    def observe(self, fingerprint: str | None) -> dict[str, Any]:
+        """`fingerprint`: the verified set's, once the gate is open (None before)."""
         spot = self.spot.result(fingerprint) if fingerprint else None
         return {"verify_complete": bool(fingerprint and spot and spot[0]
                                         and self.manifest_fingerprint() == fingerprint),
