@@ -16,8 +16,57 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 def _source(model_path: Path) -> tuple[str, dict[str, Any]]:
     path = Path(model_path)
     if path.is_file() and path.suffix == ".gguf":
-        return str(path.parent), {"gguf_file": path.name}
+        converted = _converted_gguf(path)
+        return (str(converted), {}) if converted else (str(path.parent), {"gguf_file": path.name})
     return str(path), {}
+
+
+def cache_dir() -> Path:
+    """Where conversions are kept: $XDG_CACHE_HOME/eagle3d, else ~/.cache/eagle3d (under the
+    service, its home is its StateDirectory)."""
+    root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(root) / "eagle3d"
+
+
+def _converted_gguf(gguf: Path) -> Path | None:
+    """The GGUF file converted once to a Hugging Face folder (float32 weights, config, tokenizer).
+
+    transformers parses the whole GGUF file again for the config, the tokenizer and the weights
+    of every load: about 40 s for SmolLM2 on a CPU, paid by the planner, the engine, the trainer
+    and the evaluation each. The folder is keyed by the file's weights fingerprint, so an edited
+    file is converted anew, and it is moved into place whole, so a crash mid-conversion leaves
+    no half folder behind. Where the cache is not writable, None: load from the file itself."""
+    import logging
+    import shutil
+    import tempfile
+    folder = cache_dir() / "gguf" / f"{gguf.stem}-{fingerprint_file_or_folder(gguf)}"
+    if folder.is_dir():
+        return folder
+    log = logging.getLogger("eagle3d.target")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    except OSError as e:
+        log.warning("cannot cache the conversion of %s (%s): loading from the GGUF file", gguf, e)
+        return None
+    try:
+        log.info("converting %s to a model folder in %s (once)", gguf.name, folder.parent)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        where, kw = str(gguf.parent), {"gguf_file": gguf.name}
+        model = AutoModelForCausalLM.from_pretrained(where, **kw)
+        # The weights are dequantized already; only the quantizer's marker forbids saving them.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(staging)
+        AutoTokenizer.from_pretrained(where, **kw).save_pretrained(staging)
+        staging.rename(folder)
+    except OSError:
+        if not folder.is_dir():  # another process won the same conversion: use its folder
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
 
 
 def pick_device(device: str) -> str:

@@ -57,7 +57,8 @@ batch_tokens = {batch_tokens}
     (folder / "dataset").mkdir()
     (folder / "spool").mkdir()
     contract.write(folder / "dataset", {
-        "format": dumpformat.FORMAT, "target": MODEL, "target_fingerprint": "t",
+        "format": dumpformat.FORMAT, "target": MODEL,
+        "target_fingerprint": loading.fingerprint_file_or_folder(resolve_location(MODEL, folder)),
         "tokenizer_fingerprint": "k", "chat_template_fingerprint": "c", "layer_ids": LAYERS,
         "layer_convention": contract.LAYER_CONVENTION, "final_state": contract.FINAL_STATE,
         "dtype": dtype, "hidden_size": 576, "num_layers": 30, "vocab_size": VOCAB,
@@ -141,7 +142,8 @@ def test_protocol_over_pipes(tmp_path):
     spool = tmp_path / "spool"
     worker = WorkerProcess(config)
     ready = worker.event()
-    assert ready == {"event": "ready", "pid": worker.proc.pid, "device": "cpu", "dtype": "bfloat16"}
+    assert ready == {"event": "ready", "pid": worker.proc.pid, "device": "cpu", "dtype": "bfloat16",
+                     "model": MODEL}
     jobs = random_jobs([30, 7, 19])
     worker.send(request(jobs[:2], spool))
     bad = {"id": sid(99), "input_ids": [1, VOCAB], "loss_mask": [0, 1]}
