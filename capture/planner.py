@@ -95,6 +95,7 @@ def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, 
         "layer_convention": contract.LAYER_CONVENTION,
         "final_state": contract.FINAL_STATE,
         "dtype": cfg.target.dtype,
+        "dump_dtype": cfg.extract.dump_dtype,
         "hidden_size": text_config.hidden_size,
         "num_layers": num_layers,
         "vocab_size": text_config.vocab_size,
@@ -297,8 +298,8 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
     start = max(data.first, ledger.max_idx() + 1)
     base_meta = {"plan.source": data.source, "plan.first": str(data.first),
                  "plan.max_tokens": str(data.max_tokens), "plan.responses": data.responses,
-                 "plan.bytes_per_token": str(dumpformat.bytes_per_token(hidden_size,
-                                                                        cfg.target.dtype))}
+                 "plan.bytes_per_token": str(dumpformat.bytes_per_token(
+                     hidden_size, cfg.extract.dump_dtype))}
     if start >= end:
         log.info("plan already covers source indices %d..%d; nothing to do", data.first, end - 1)
         return

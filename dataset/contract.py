@@ -28,6 +28,8 @@ LAYER_CONVENTION = "hidden state entering decoder layer i (HF hidden_states[i])"
 FINAL_STATE = "post_norm"
 
 # The fields that bind: two datasets with equal values here can be mixed, others cannot.
+# `dtype` is the target's compute dtype; `dump_dtype` (how the dumps store the states) binds
+# too, through `_binding`.
 BINDING = ("format", "target", "target_fingerprint", "tokenizer_fingerprint",
            "chat_template_fingerprint", "layer_ids", "layer_convention", "final_state", "dtype",
            "hidden_size", "num_layers", "vocab_size")
@@ -39,9 +41,24 @@ def default_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def fingerprint(contract: dict[str, Any]) -> str:
+def dump_dtype(contract: dict[str, Any]) -> str:
+    """How the dataset's dumps store the hidden states. A contract written before dump
+    precisions has no `dump_dtype`: its dumps hold the states as the target computed them."""
+    return contract.get("dump_dtype") or contract.get("dtype") or ""
+
+
+def _binding(contract: dict[str, Any]) -> dict[str, Any]:
+    """The binding fields. `dump_dtype` is one only where it differs from `dtype`, so a contract
+    whose dumps store the states as computed keeps the fingerprint it had before dump precisions
+    existed, and old datasets stay usable."""
     binding = {k: contract.get(k) for k in BINDING}
-    return hashlib.blake2b(json.dumps(binding, sort_keys=True).encode(), digest_size=16).hexdigest()
+    if dump_dtype(contract) != contract.get("dtype"):
+        binding["dump_dtype"] = dump_dtype(contract)
+    return binding
+
+
+def fingerprint(contract: dict[str, Any]) -> str:
+    return hashlib.blake2b(json.dumps(_binding(contract), sort_keys=True).encode(), digest_size=16).hexdigest()
 
 
 def read(dataset_dir: Path) -> dict[str, Any] | None:
@@ -83,4 +100,6 @@ def write(dataset_dir: Path, contract: dict[str, Any]) -> dict[str, Any]:
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    return [f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in BINDING if a.get(k) != b.get(k)]
+    pairs = {k: (a.get(k), b.get(k)) for k in BINDING}
+    pairs["dump_dtype"] = (dump_dtype(a), dump_dtype(b))
+    return [f"{k}: {x!r} -> {y!r}" for k, (x, y) in pairs.items() if x != y]

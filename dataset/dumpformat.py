@@ -22,12 +22,21 @@ SUFFIX = ".safetensors"
 # Sample ids are content hashes: lowercase hex, so an id is always a safe file name.
 SAMPLE_ID = re.compile(r"[0-9a-f]{32}")
 
-DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "I32": 4, "I64": 8, "U8": 1}
+# torch / config names -> safetensors names
+DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
+               "int32": "I32", "uint8": "U8"}
+DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8, "U8": 1}
 # The tensors of a dump, in file order; readers name them through these constants.
 INPUT_IDS, LOSS_MASK, AUX, LAST = "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"
 TENSORS = (INPUT_IDS, LOSS_MASK, AUX, LAST)
 HIDDEN = (AUX, LAST)  # the floating-point ones
+# fp8 dumps add each hidden-state tensor's scales, float32, one per token row of each captured
+# layer (the math is in precision.py).
+SCALED = "F8_E4M3"
+AUX_SCALE, LAST_SCALE = "aux_hidden_states_scale", "last_hidden_state_scale"
+SCALES = {AUX: AUX_SCALE, LAST: LAST_SCALE}
+SCALE_GROUPS = {AUX: 3, LAST: 1}
+SCALED_TENSORS = (*TENSORS, AUX_SCALE, LAST_SCALE)
 MAX_HEADER = 1 << 20
 
 
@@ -66,22 +75,31 @@ def dump_name(sample_id: str) -> str:
     return sample_id + SUFFIX
 
 
-def bytes_per_token(hidden_size: int, dtype: str) -> int:
-    """Dataset bytes per token: 3 aux layers + the final state, plus input id and mask."""
-    return 4 * hidden_size * DTYPE_SIZES[DTYPE_NAMES[dtype]] + 4 + 1
+def is_scaled(dtype: str) -> bool:
+    """Whether hidden states of this safetensors dtype carry scales (fp8) or are the values."""
+    return dtype == SCALED
+
+
+def bytes_per_token(hidden_size: int, dump_dtype: str) -> int:
+    """Dataset bytes per token: 3 aux layers + the final state (with fp8, their 3 + 1 float32
+    scales), plus input id and mask."""
+    stored = DTYPE_NAMES[dump_dtype]
+    scales = sum(SCALE_GROUPS.values()) * DTYPE_SIZES["F32"] if is_scaled(stored) else 0
+    return 4 * hidden_size * DTYPE_SIZES[stored] + scales + 4 + 1
 
 
 def write_dump(folder: str | os.PathLike, sample_id: str, contract: str,
                tensors: Mapping[str, tuple[str, tuple[int, ...], memoryview | bytes]]) -> Path:
-    """Write one dump atomically. `tensors` maps each name of TENSORS to (safetensors dtype,
-    shape, raw little-endian bytes). Returns the final path."""
+    """Write one dump atomically. `tensors` maps each name of TENSORS (SCALED_TENSORS for fp8
+    states) to (safetensors dtype, shape, raw little-endian bytes). Returns the final path."""
     final = Path(folder) / dump_name(sample_id)
+    names = SCALED_TENSORS if AUX_SCALE in tensors else TENSORS
     header: dict = {"__metadata__": {"format": FORMAT, "sample_id": sample_id,
                                      "tokens": str(tensors[INPUT_IDS][1][0]),
                                      "contract": contract}}
     offset = 0
     buffers = []
-    for name in TENSORS:
+    for name in names:
         dtype, shape, data = tensors[name]
         view = memoryview(data).cast("B")
         expected = DTYPE_SIZES[dtype]
@@ -133,12 +151,14 @@ def parse_header(head: bytes, file_size: int) -> DumpHeader:
     sid = meta.get("sample_id", "")
     if not isinstance(sid, str) or not SAMPLE_ID.fullmatch(sid):
         raise DumpError(f"malformed sample id in metadata: {sid!r}")
-    if set(header) != set(TENSORS):
-        raise DumpError(f"tensors {sorted(header)} differ from {list(TENSORS)}")
+    names = SCALED_TENSORS if set(header) == set(SCALED_TENSORS) else TENSORS
+    if set(header) != set(names):
+        raise DumpError(f"tensors {sorted(header)} differ from {list(TENSORS)} (and the scales "
+                        f"{list(SCALES.values())} with {SCALED} states)")
     base = 8 + n
     tensors: dict[str, TensorInfo] = {}
     spans = []
-    for name in TENSORS:
+    for name in names:
         t = header[name]
         try:
             dtype, shape, (b, e) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
@@ -171,9 +191,23 @@ def parse_header(head: bytes, file_size: int) -> DumpHeader:
     if aux.shape != (t_count, 3 * last.shape[1]) or aux.dtype != last.dtype:
         raise DumpError(f"aux_hidden_states {aux.shape} {aux.dtype} is not "
                         f"[{t_count}, {3 * last.shape[1]}] {last.dtype}")
+    _check_scales(tensors, t_count)
     if meta.get("tokens") != str(t_count):
         raise DumpError(f"metadata says {meta.get('tokens')} tokens, tensors hold {t_count}")
     return DumpHeader(sid, t_count, str(meta.get("contract", "")), tensors, file_size)
+
+
+def _check_scales(tensors: dict[str, TensorInfo], t_count: int) -> None:
+    """fp8 states come with their scales, float states without."""
+    scaled = is_scaled(tensors[LAST].dtype)
+    if scaled != (AUX_SCALE in tensors):
+        raise DumpError(f"{tensors[LAST].dtype} states " + ("need their scales" if scaled else
+                                                              "carry no scales"))
+    for name, scale in SCALES.items() if scaled else ():
+        want = (t_count, SCALE_GROUPS[name])
+        if tensors[scale].shape != want or tensors[scale].dtype != "F32":
+            raise DumpError(f"{scale} is {tensors[scale].dtype} {list(tensors[scale].shape)}, "
+                            f"not F32 {list(want)}")
 
 
 def read_header(path: str | os.PathLike) -> DumpHeader:

@@ -27,6 +27,9 @@ class ConfigError(ValueError):
 
 
 DTYPES = ("float32", "bfloat16", "float16")
+FP8 = "float8_e4m3fn"
+# How a dump stores the hidden states: a float type, or fp8 with a scale per token row.
+DUMP_DTYPES = (*DTYPES, FP8)
 ENGINES = ("transformers", "sglang")
 FORMATS = ("auto", "sharegpt", "messages")
 RESPONSES = ("dataset", "target")
@@ -116,6 +119,7 @@ class BudgetConfig(NamedTuple):
 
 
 class ExtractConfig(NamedTuple):
+    dump_dtype: str = "bfloat16"  # left out of a config: the [target] dtype (see parse_config)
     batch_tokens: int = 8192
     max_inflight_tokens: int = 65536
     max_inflight_samples: int = 256
@@ -185,6 +189,7 @@ class Config(NamedTuple):
     def contract_keys(self) -> dict[str, Any]:
         """What a dataset is bound to: change one of these and the old dumps no longer fit."""
         keys = {"model": self.target.model, "dtype": self.target.dtype,
+                "dump_dtype": self.extract.dump_dtype,
                 "aux_layers": list(self.target.aux_layers) if self.target.aux_layers else "default",
                 "source": self.data.source, "first": self.data.first,
                 "max_tokens": self.data.max_tokens, "responses": self.data.responses}
@@ -373,11 +378,15 @@ def parse_config(raw: dict, path: Path) -> Config:
     if budget.spool_max == 0:
         raise chk.fail("budget.spool_max", "must be larger than 0")
 
-    extract = chk.build(ExtractConfig, "extract", chk.section(raw, "extract"), {
-        "batch_tokens": _POS_INT, "max_inflight_tokens": _POS_INT, "max_inflight_samples": _POS_INT,
+    extract_raw = chk.section(raw, "extract")
+    extract = chk.build(ExtractConfig, "extract", extract_raw, {
+        "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _POS_INT, "max_inflight_tokens": _POS_INT, "max_inflight_samples": _POS_INT,
         "inflight_timeout_s": _POS_FLOAT, "max_attempts": _POS_INT,
         "engine_max_restarts": _NONNEG_INT, "ingest_threads": _typed(int, minimum=1, maximum=64),
         "rescan_interval_s": _POS_FLOAT})
+    if "dump_dtype" not in extract_raw:
+        # Configs from before dump precisions: the states are stored as the target computes them.
+        extract = extract._replace(dump_dtype=target.dtype)
     if extract.max_inflight_tokens < data.max_tokens:
         raise chk.fail("extract.max_inflight_tokens",
                        f"must be at least [data] max_tokens ({data.max_tokens}), or the longest "
