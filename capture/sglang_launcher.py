@@ -2,7 +2,7 @@
 make capture correct, the environment that tells the capture plugin where to write, and the
 check that the SGLang installed in the chosen interpreter is one the plugin was written for.
 
-Light on purpose (stdlib and the config only): the daemon imports it.
+Light on purpose (stdlib, the config and the contract only): the daemon imports it.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import subprocess
 from typing import Any
 
 from eagle3d.capture.sglang_plugin import (ENTRY_POINT_GROUP, PLUGIN_NAME, CaptureSettings)
+from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config
 
@@ -80,6 +81,7 @@ def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], di
     settings = CaptureSettings(spool=cfg.paths.spool_dir, contract=contract["fingerprint"],
                                layer_ids=tuple(contract["layer_ids"]),
                                ledger=layout.ledger(cfg.paths.state_dir),
+                               dump_dtype=capture_contract.dump_dtype(contract),
                                token=secrets.token_hex(8))
     env = {**settings.to_env(), **SERVER_ENV}
     allowed = os.environ.get("SGLANG_PLUGINS", "")

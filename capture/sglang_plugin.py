@@ -4,8 +4,9 @@ rank), loaded through SGLang's own plugin mechanism: the `sglang.srt.plugins` en
 every process it starts, and the hooks it registers are applied by SGLang's `HookRegistry`.
 
 For every EXTEND (prefill) forward, and no other mode, it takes the EAGLE-3 aux hidden states and
-the post-norm final hidden state, splits them per request and writes one dump per request into
-the spool, named by the request id (= the sample id). With tensor parallelism every rank holds
+the post-norm final hidden state, casts or quantizes them to the contract's dump dtype on the GPU
+(precision.py; fp8 halves what is copied to the host), splits them per request and writes one
+dump per request into the spool, named by the request id (= the sample id). With tensor parallelism every rank holds
 the same full hidden states, and rank 0 alone writes.
 
 The part that touches SGLang is the last section of this module and is as thin as possible;
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from eagle3d.dataset import dumpformat
+from eagle3d.dataset.dumpformat import AUX, LAST
 from eagle3d.target import layers
 
 log = logging.getLogger("eagle3d.capture")
@@ -40,6 +42,7 @@ ENV_CONTRACT = "EAGLE3D_CONTRACT"    # the capture contract's fingerprint, stamp
 ENV_LAYER_IDS = "EAGLE3D_LAYER_IDS"  # the contract's layer ids, in the contract's convention
 ENV_LEDGER = "EAGLE3D_LEDGER"        # the ledger, for each sample's loss mask
 ENV_TOKEN = "EAGLE3D_START_TOKEN"    # names one server start: a ready file from an older one is stale
+ENV_DUMP_DTYPE = "EAGLE3D_DUMP_DTYPE"  # the contract's dump dtype: how a dump stores the states
 # The plugin's own files live in this folder of the spool: the daemon's spool scan offers files
 # to ingest and moves stray dot-named files to rejected/, but leaves folders alone.
 PLUGIN_FOLDER = "sglang"
@@ -61,8 +64,6 @@ LOGITS_ARGS = ("input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_
 SPOT_PREFIX = "spot-"
 SPOT_FOLDER = f"{PLUGIN_FOLDER}/spot"
 
-SAFETENSORS_DTYPES = {"torch.float32": "F32", "torch.bfloat16": "BF16", "torch.float16": "F16",
-                      "torch.int32": "I32", "torch.uint8": "U8"}
 WRITE_QUEUE_BATCHES = 4  # forward batches waiting for the writer before a forward waits
 
 
@@ -76,6 +77,7 @@ class CaptureSettings:
     contract: str
     layer_ids: tuple[int, ...]
     ledger: Path
+    dump_dtype: str
     token: str = ""
 
     @classmethod
@@ -84,7 +86,8 @@ class CaptureSettings:
         else, in an environment where eagle3d happens to be installed, is left alone."""
         if not env.get(ENV_SPOOL):
             return None
-        missing = [k for k in (ENV_CONTRACT, ENV_LAYER_IDS, ENV_LEDGER) if not env.get(k)]
+        missing = [k for k in (ENV_CONTRACT, ENV_LAYER_IDS, ENV_LEDGER, ENV_DUMP_DTYPE)
+                   if not env.get(k)]
         if missing:
             raise CaptureError(f"{ENV_SPOOL} is set but {', '.join(missing)} is not")
         try:
@@ -93,12 +96,12 @@ class CaptureSettings:
             raise CaptureError(f"{ENV_LAYER_IDS}={env[ENV_LAYER_IDS]!r} is not a comma-separated "
                                "list of layer ids") from None
         return cls(Path(env[ENV_SPOOL]), env[ENV_CONTRACT], ids, Path(env[ENV_LEDGER]),
-                   env.get(ENV_TOKEN, ""))
+                   env[ENV_DUMP_DTYPE], env.get(ENV_TOKEN, ""))
 
     def to_env(self) -> dict[str, str]:
         return {ENV_SPOOL: str(self.spool), ENV_CONTRACT: self.contract,
                 ENV_LAYER_IDS: ",".join(map(str, self.layer_ids)), ENV_LEDGER: str(self.ledger),
-                ENV_TOKEN: self.token}
+                ENV_DUMP_DTYPE: self.dump_dtype, ENV_TOKEN: self.token}
 
 
 # ---- pure: one forward batch → per-request slices ----------------------------------------------
@@ -108,8 +111,10 @@ class RequestSlice:
     rid: str
     prefix_len: int    # tokens already in the KV cache before this forward (0 for a whole prefill)
     input_ids: Any     # torch.Tensor [T]
-    aux_hidden: Any    # torch.Tensor [T, K*H], the K captured layers side by side
-    last_hidden: Any   # torch.Tensor [T, H], after the final norm
+    # The dump's hidden-state tensors on the host, by name, in the dump dtype: aux [T, K*H] (the
+    # K captured layers side by side) and last [T, H] (after the final norm), with fp8 also
+    # their scales [T, K] and [T, 1].
+    states: dict[str, Any]
 
 
 def _ints(values: Any) -> list[int]:
@@ -118,15 +123,18 @@ def _ints(values: Any) -> list[int]:
 
 def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend_start_loc: Any,
                        extend_seq_lens: Any, input_ids: Any, aux_hidden: Any, last_hidden: Any,
-                       extend_prefix_lens: Any) -> list[RequestSlice]:
+                       extend_prefix_lens: Any, dump_dtype: str) -> list[RequestSlice]:
     """Cut one forward batch into its requests. SGLang lays an EXTEND batch out as the requests'
     new tokens end to end: request i owns rows [extend_start_loc[i], + extend_seq_lens[i]) of
     `input_ids` and of every hidden state (rows past the last request are padding). `aux_hidden`
     is one [N, K*H] tensor or a list of K [N, H] tensors (SGLang passes either, by model).
-    Any other forward mode yields nothing: its rows are not a prompt's prefill."""
+    The states are encoded in `dump_dtype` where they are (the GPU) and copied to the host once
+    for the whole batch. Any other forward mode yields nothing: its rows are not a prompt's
+    prefill."""
     if not forward_mode_is_extend:
         return []
     import torch
+    from eagle3d.dataset import precision  # numpy: the daemon imports this module, not the code
     if aux_hidden is None or isinstance(aux_hidden, (list, tuple)) and not aux_hidden:
         raise CaptureError("the model captured no aux hidden states "
                            "(set_eagle3_layers_to_capture was not applied)")
@@ -148,8 +156,10 @@ def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend
     if end > rows:
         raise CaptureError(f"requests span {end} tokens but the batch holds {rows} rows "
                            "(hidden states sharded or pruned before the logits processor?)")
-    return [RequestSlice(rid, prefix, input_ids[s:s + n], aux_hidden[s:s + n],
-                         last_hidden[s:s + n])
+    stored = {name: t.to("cpu")
+              for name, t in precision.encode_states(aux_hidden, last_hidden, dump_dtype).items()}
+    ids = input_ids.to("cpu")
+    return [RequestSlice(rid, prefix, ids[s:s + n], {k: t[s:s + n] for k, t in stored.items()})
             for rid, s, n, prefix in zip(rids, starts, lens, prefixes)]
 
 
@@ -165,27 +175,16 @@ def request_sample(rid: str | None) -> tuple[str, str] | None:
     return (rid, folder) if dumpformat.SAMPLE_ID.fullmatch(rid) else None
 
 
-def _entry(t: Any) -> tuple[str, tuple[int, ...], memoryview]:
-    """A tensor as the dump writer takes it. bf16 has no numpy dtype, so the bytes go through a
-    uint8 view."""
-    import torch
-    dtype = SAFETENSORS_DTYPES.get(str(t.dtype))
-    if dtype is None:
-        raise CaptureError(f"cannot store a {t.dtype} tensor in a dump")
-    raw = t.detach().to("cpu").contiguous().view(torch.uint8).reshape(-1).numpy()
-    return dtype, tuple(t.shape), memoryview(raw)
-
-
 def dump_tensors(s: RequestSlice, loss_mask: bytes) -> dict[str, tuple[str, tuple[int, ...],
                                                                       memoryview | bytes]]:
     import torch
+    from eagle3d.dataset import precision
     tokens = s.input_ids.shape[0]
     if len(loss_mask) != tokens:
         raise CaptureError(f"{s.rid}: loss mask of {len(loss_mask)} tokens for {tokens} tokens")
-    return {"input_ids": _entry(s.input_ids.to(torch.int32)),
+    return {"input_ids": precision.dump_entry(s.input_ids.to(torch.int32)),
             "loss_mask": ("U8", (tokens,), loss_mask),
-            "aux_hidden_states": _entry(s.aux_hidden),
-            "last_hidden_state": _entry(s.last_hidden)}
+            **{name: precision.dump_entry(t) for name, t in s.states.items()}}
 
 
 LossMasks = Callable[[str], "bytes | None"]
@@ -252,10 +251,12 @@ class DumpWriter:
 class Capture:
     """What the writing rank does with each forward batch."""
 
-    def __init__(self, writer: DumpWriter, num_layers: int, radix_cache_off: bool) -> None:
+    def __init__(self, writer: DumpWriter, num_layers: int, radix_cache_off: bool,
+                 dump_dtype: str) -> None:
         self.writer = writer
         self.num_layers = num_layers
         self.radix_cache_off = radix_cache_off
+        self.dump_dtype = dump_dtype
 
     def on_forward(self, forward_mode_is_extend: bool, rids: Sequence[str] | None,
                    extend_start_loc: Any, extend_seq_lens: Any, extend_prefix_lens: Any,
@@ -276,13 +277,12 @@ class Capture:
         if isinstance(aux_hidden, (list, tuple)) and len(aux_hidden) != self.num_layers:
             raise CaptureError(f"the model captured {len(aux_hidden)} layers, the contract "
                                f"names {self.num_layers}")
-        slices = split_extend_batch(True, rids, extend_start_loc, extend_seq_lens,
-                                    input_ids.to("cpu"), _to_cpu(aux_hidden),
-                                    last_hidden.to("cpu"), extend_prefix_lens)
-        width = slices[0].aux_hidden.shape[1] if slices else 0
-        if slices and width != self.num_layers * slices[0].last_hidden.shape[1]:
+        slices = split_extend_batch(True, rids, extend_start_loc, extend_seq_lens, input_ids,
+                                    aux_hidden, last_hidden, extend_prefix_lens, self.dump_dtype)
+        width = slices[0].states[AUX].shape[1] if slices else 0
+        if slices and width != self.num_layers * slices[0].states[LAST].shape[1]:
             raise CaptureError(f"aux hidden width {width} is not {self.num_layers} layers of "
-                               f"{slices[0].last_hidden.shape[1]}")
+                               f"{slices[0].states[LAST].shape[1]}")
         keep = []
         for s in slices:
             if not request_sample(s.rid):
@@ -296,14 +296,6 @@ class Capture:
         if keep:
             self.writer.put(keep)
         return len(keep)
-
-
-def _to_cpu(aux_hidden: Any) -> Any:
-    if aux_hidden is None:
-        return None
-    if isinstance(aux_hidden, (list, tuple)):
-        return [t.to("cpu") for t in aux_hidden]
-    return aux_hidden.to("cpu")
 
 
 # ---- what the server must be for capture to be correct -----------------------------------------
@@ -425,7 +417,8 @@ def prepare(settings: CaptureSettings, model: Any, server_args: Any, tp_rank: in
     settings.spool.mkdir(parents=True, exist_ok=True)
     writer = DumpWriter(settings.spool, settings.contract, ledger_loss_masks(settings.ledger))
     capture = Capture(writer, len(settings.layer_ids),
-                      radix_cache_off=bool(getattr(server_args, "disable_radix_cache", False)))
+                      radix_cache_off=bool(getattr(server_args, "disable_radix_cache", False)),
+                      dump_dtype=settings.dump_dtype)
     write_handshake(settings, {
         "pid": os.getpid(), "sglang": sglang_version, "model": model_name(model),
         "layers": captured_layers(model), "tp_size": getattr(server_args, "tp_size", None),

@@ -5,7 +5,8 @@ Protocol (one JSON object per line, UTF-8):
 
   start     The worker loads the config, `<dataset_dir>/capture.toml` (the capture contract) and
             the target, then writes on stdout
-              {"event": "ready", "pid": 1234, "device": "cuda:0" | "cpu", "dtype": "bfloat16"}
+              {"event": "ready", "pid": 1234, "device": "cuda:0" | "cpu", "dtype": "bfloat16",
+               "dump_dtype": "bfloat16" | "float8_e4m3fn", "model": "..."}
             Everything else the process or its libraries print goes to stderr: stdout carries the
             protocol only. Exit REFUSED (statemachine/entry.py), with a message on stderr, when
             the contract is missing or was edited by hand; CONTRACT_MISMATCH when the target's
@@ -30,8 +31,10 @@ Protocol (one JSON object per line, UTF-8):
             forwards and writes), exit 0 without reading more.
 
 A forward that fails (out of memory, mostly) is retried as two halves, down to single samples.
-Dumps are written by a thread pool while the next forward runs; on CUDA the device-to-host copy
-runs on its own stream into pinned memory, so the GPU does not wait for the disk.
+The states are cast or quantized to the contract's dump dtype on the device (precision.py), so
+the copy to the host moves only the bytes the dump stores. Dumps are written by a thread pool
+while the next forward runs; on CUDA the device-to-host copy runs on its own stream into pinned
+memory, so the GPU does not wait for the disk.
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from eagle3d.dataset import contract, dumpformat
+from eagle3d.dataset import contract, dumpformat, precision
 from eagle3d.target import loading
 from eagle3d.capture.hooks import LayerTap, decoder_of
 from eagle3d.statemachine.config import Config
@@ -134,14 +137,14 @@ class Capturer:
     """Runs a decoder over batches of jobs, taps the contract's layers and writes the dumps."""
 
     def __init__(self, model: nn.Module, layer_ids: list[int], fingerprint: str,
-                 batch_tokens: int, writers: int = 2, max_pending_writes: int = 3) -> None:
+                 batch_tokens: int, dump_dtype: str, writers: int = 2,
+                 max_pending_writes: int = 3) -> None:
         self.decoder = decoder_of(model)
         self.tap = LayerTap(self.decoder, layer_ids)
         self.fingerprint = fingerprint
         self.batch_tokens = batch_tokens
-        first = next(model.parameters())
-        self.device, self.dtype = first.device, first.dtype
-        self.dtype_name = dumpformat.DTYPE_NAMES[str(self.dtype).removeprefix("torch.")]
+        self.dump_dtype = dump_dtype
+        self.device = next(model.parameters()).device
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.pool = ThreadPoolExecutor(writers, thread_name_prefix="dump-writer")
@@ -165,12 +168,15 @@ class Capturer:
                 mask.to(self.device, non_blocking=True) if padded else None)
 
     @torch.inference_mode()
-    def forward(self, jobs: Sequence[Job]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(aux [B, L, 3H], final [B, L, H]) on the model's device, right-padded."""
+    def forward(self, jobs: Sequence[Job]) -> dict[str, torch.Tensor]:
+        """The dumps' hidden-state tensors by name, [B, L, ...] on the model's device,
+        right-padded, in the dump dtype: aux [B, L, 3H] and final [B, L, H] (with fp8, and their
+        scales [B, L, 3] and [B, L, 1])."""
         ids, mask = self.inputs(jobs)
         with self.tap:
             self.decoder(input_ids=ids, attention_mask=mask, use_cache=False)
-            return self.tap.take()
+            aux, final = self.tap.take()
+        return precision.encode_states(aux, final, self.dump_dtype)
 
     # ---- scheduling -----------------------------------------------------------------------
 
@@ -185,7 +191,7 @@ class Capturer:
     def _run_group(self, jobs: list[Job], out: Path, pending: _Pending,
                    on_complete: Callable[[_Pending], None]) -> None:
         try:
-            aux, final = self.forward(jobs)
+            states = self.forward(jobs)
             failure = None
         except Exception as exc:  # out of memory above all; a halved batch may fit
             failure = f"forward failed: {exc}"[:2000]
@@ -201,33 +207,31 @@ class Capturer:
             self._run_group(jobs[:half], out, pending, on_complete)
             self._run_group(jobs[half:], out, pending, on_complete)
             return
-        host_aux, host_final, ready = self._to_host(aux, final)
-        del aux, final
+        host, ready = self._to_host(states)
+        del states
         self.slots.acquire()
         with self.lock:
             pending.tasks += 1
-        self.pool.submit(self._write_group, jobs, host_aux, host_final, ready, out, pending,
-                         on_complete)
+        self.pool.submit(self._write_group, jobs, host, ready, out, pending, on_complete)
 
-    def _to_host(self, aux: torch.Tensor, final: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+    def _to_host(self, states: dict[str, torch.Tensor]
+                 ) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
         if not self.cuda:
-            return aux, final, None
+            return states, None
         # The copy runs on its own stream so the next forward, queued right after, overlaps it.
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        host = {}
         with torch.cuda.stream(self.copy_stream):
-            host_aux = torch.empty(aux.shape, dtype=aux.dtype, pin_memory=True)
-            host_final = torch.empty(final.shape, dtype=final.dtype, pin_memory=True)
-            host_aux.copy_(aux, non_blocking=True)
-            host_final.copy_(final, non_blocking=True)
-            # The caching allocator must not hand these to the next forward before the copy ends.
-            aux.record_stream(self.copy_stream)
-            final.record_stream(self.copy_stream)
+            for name, t in states.items():
+                host[name] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host[name].copy_(t, non_blocking=True)
+                # The caching allocator must not hand it to the next forward before the copy ends.
+                t.record_stream(self.copy_stream)
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
-        return host_aux, host_final, ready
+        return host, ready
 
-    def _write_group(self, jobs: list[Job], aux: torch.Tensor, final: torch.Tensor,
+    def _write_group(self, jobs: list[Job], states: dict[str, torch.Tensor],
                      ready: torch.cuda.Event | None, out: Path, pending: _Pending,
                      on_complete: Callable[[_Pending], None]) -> None:
         written, errors, tokens = [], [], 0
@@ -236,8 +240,8 @@ class Capturer:
                 ready.synchronize()
             for row, job in enumerate(jobs):
                 try:
-                    self.write_dump(out, job, aux[row, :len(job.input_ids)],
-                                    final[row, :len(job.input_ids)])
+                    n = len(job.input_ids)
+                    self.write_dump(out, job, {k: t[row, :n] for k, t in states.items()})
                     written.append(job.id)
                     tokens += len(job.input_ids)
                 except Exception as exc:  # disk full, folder gone: this sample fails, not all
@@ -258,25 +262,17 @@ class Capturer:
         if last:
             on_complete(pending)
 
-    def write_dump(self, out: Path, job: Job, aux: torch.Tensor, final: torch.Tensor) -> Path:
+    def write_dump(self, out: Path, job: Job, states: dict[str, torch.Tensor]) -> Path:
+        """One sample's dump; `states` are its rows of the batch's hidden-state tensors."""
         n = len(job.input_ids)
         return dumpformat.write_dump(out, job.id, self.fingerprint, {
             "input_ids": ("I32", (n,), np.asarray(job.input_ids, dtype="<i4").tobytes()),
             "loss_mask": ("U8", (n,), np.asarray(job.loss_mask, dtype=np.uint8).tobytes()),
-            "aux_hidden_states": (self.dtype_name, tuple(aux.shape), _raw(aux)),
-            "last_hidden_state": (self.dtype_name, tuple(final.shape), _raw(final)),
-        })
+            **{name: precision.dump_entry(t) for name, t in states.items()}})
 
     def close(self) -> None:
         """Wait for every queued write."""
         self.pool.shutdown(wait=True)
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes without a copy when it is already contiguous (rows of a right-padded
-    batch are). bfloat16 has no numpy type, hence the byte view."""
-    t = t.contiguous()
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
 # ---- the process ------------------------------------------------------------------------------
@@ -381,13 +377,14 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
         raise ContractMismatch(f"the target does not fit the capture contract ({'; '.join(wrong)})")
 
     capturer = Capturer(model, list(doc["layer_ids"]), doc["fingerprint"],
-                        cfg.extract.batch_tokens)
+                        cfg.extract.batch_tokens, contract.dump_dtype(doc))
     worker = Worker(capturer, text.vocab_size, proto)
     signal.signal(signal.SIGTERM, worker.on_sigterm)
     device = capturer.device
     worker.emit({"event": "ready", "pid": os.getpid(),
                  "device": f"cuda:{device.index or 0}" if device.type == "cuda" else device.type,
-                 "dtype": doc["dtype"], "model": cfg.target.model})
+                 "dtype": doc["dtype"], "dump_dtype": capturer.dump_dtype,
+                 "model": cfg.target.model})
     try:
         worker.serve(sys.stdin.buffer)
     except BrokenPipeError:  # the daemon is gone; nobody is left to tell

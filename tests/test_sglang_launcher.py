@@ -13,7 +13,8 @@ from eagle3d.capture.sglang_launcher import SUPPORTED, check_version, launch_com
 from eagle3d.capture.sglang_plugin import ENV_TOKEN, CaptureSettings
 from eagle3d.statemachine.config import parse_config
 
-CONTRACT = {"fingerprint": "c" * 32, "layer_ids": [2, 30, 58]}
+CONTRACT = {"fingerprint": "c" * 32, "layer_ids": [2, 30, 58], "dtype": "bfloat16",
+            "dump_dtype": "float8_e4m3fn"}
 
 
 def config(tmp_path: Path, **sglang) -> object:
@@ -47,7 +48,8 @@ def test_command_starts_sglang_with_the_flags_capture_needs(tmp_path, monkeypatc
     assert argv[-1] == "--trust-remote-code"
     settings = CaptureSettings.from_env(env)
     assert settings == CaptureSettings(tmp_path / "spool", "c" * 32, (2, 30, 58),
-                                       tmp_path / "state" / "ledger.sqlite", env[ENV_TOKEN])
+                                       tmp_path / "state" / "ledger.sqlite", "float8_e4m3fn",
+                                       env[ENV_TOKEN])
     assert "SGLANG_PLUGINS" not in env  # unset: SGLang loads every installed plugin
     # /health answers at once instead of running a generation the daemon would wait on.
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"

@@ -104,30 +104,30 @@ REQUESTS = [[11, 12, 13, 14, 15], [200], [7, 8, 9, 10, 11, 12, 13], [42, 43]]
 def test_split_gives_each_request_its_own_rows(packed):
     table = hidden_table()
     batch = extend_batch([(sample_id(ids), ids) for ids in REQUESTS], table, packed=packed)
-    slices = split_extend_batch(**batch)
+    slices = split_extend_batch(**batch, dump_dtype="bfloat16")
     assert [s.rid for s in slices] == [sample_id(ids) for ids in REQUESTS]
     for s, ids in zip(slices, REQUESTS):
         aux, last = states(torch.tensor(ids), table)
         assert s.input_ids.tolist() == ids
-        assert torch.equal(s.aux_hidden, torch.cat(aux, dim=-1))
-        assert torch.equal(s.last_hidden, last)
+        assert torch.equal(s.states[dumpformat.AUX], torch.cat(aux, dim=-1))
+        assert torch.equal(s.states[dumpformat.LAST], last)
 
 
 def test_split_ignores_decode_and_refuses_inconsistent_batches():
     table = hidden_table()
-    assert split_extend_batch(**decode_batch(["a" * 32], table)) == []
+    assert split_extend_batch(**decode_batch(["a" * 32], table), dump_dtype="bfloat16") == []
     batch = extend_batch([("a" * 32, [1, 2, 3]), ("b" * 32, [4, 5])], table, padding=0)
     batch["last_hidden"] = batch["last_hidden"][:4]  # sharded or pruned: fewer rows than tokens
     with pytest.raises(CaptureError, match="5 tokens"):
-        split_extend_batch(**batch)
+        split_extend_batch(**batch, dump_dtype="bfloat16")
     batch = extend_batch([("a" * 32, [1, 2, 3])], table)
     batch["rids"] = ["a" * 32, "b" * 32]
     with pytest.raises(CaptureError, match="2 request ids, 1 start"):
-        split_extend_batch(**batch)
+        split_extend_batch(**batch, dump_dtype="bfloat16")
     batch = extend_batch([("a" * 32, [1, 2, 3])], table)
     batch["aux_hidden"] = None
     with pytest.raises(CaptureError, match="no aux hidden states"):
-        split_extend_batch(**batch)
+        split_extend_batch(**batch, dump_dtype="bfloat16")
 
 
 def test_capture_writes_one_dump_per_planned_request_and_ignores_decode(tmp_path):
@@ -137,7 +137,7 @@ def test_capture_writes_one_dump_per_planned_request_and_ignores_decode(tmp_path
     cached = [1, 2, 3, 4]
     ledger = plan(tmp_path, REQUESTS + [cached])
     writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(ledger))
-    capture = Capture(writer, num_layers=3, radix_cache_off=True)
+    capture = Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16")
     # Beside the samples: SGLang's own health check and a warm-up whose uuid looks like an id.
     others = [("HEALTH_CHECK_0f1e", [3, 4]), ("0123456789abcdef0123456789abcdef", [9, 9, 9])]
     requests = [(sample_id(ids), ids) for ids in REQUESTS] + others
@@ -165,12 +165,14 @@ def test_capture_refuses_a_model_that_captures_other_layers(tmp_path):
     batch = extend_batch([("a" * 32, [1, 2, 3])], table)
     batch["aux_hidden"] = batch["aux_hidden"][:2]
     with pytest.raises(CaptureError, match="captured 2 layers, the contract names 3"):
-        Capture(writer, num_layers=3, radix_cache_off=True).on_forward(**batch)
+        Capture(writer, num_layers=3, radix_cache_off=True,
+                dump_dtype="bfloat16").on_forward(**batch)
     writer.close()
 
 
 def test_settings_travel_through_the_environment(tmp_path):
-    settings = CaptureSettings(tmp_path / "spool", CONTRACT, (2, 30, 58), tmp_path / "l.sqlite")
+    settings = CaptureSettings(tmp_path / "spool", CONTRACT, (2, 30, 58), tmp_path / "l.sqlite",
+                               "float8_e4m3fn")
     assert CaptureSettings.from_env(settings.to_env()) == settings
     assert CaptureSettings.from_env({}) is None  # a server eagle3d did not start: left alone
     with pytest.raises(CaptureError, match="EAGLE3D_LAYER_IDS"):
@@ -205,7 +207,7 @@ class LlamaForCausalLM:
 
 def settings(tmp_path: Path, token: str = "t1") -> CaptureSettings:
     return CaptureSettings(tmp_path / "spool", CONTRACT, (2, 16, 29), plan(tmp_path, REQUESTS),
-                           token)
+                           "bfloat16", token)
 
 
 REFUSED = {
@@ -277,6 +279,7 @@ def test_missing_prefix_lengths_are_zero_only_with_the_radix_cache_off(tmp_path)
     batch = extend_batch([(sample_id(ids), ids) for ids in REQUESTS], table)
     batch["extend_prefix_lens"] = None  # as on SGLang's GPU-only path
     with pytest.raises(CaptureError, match="radix cache is on"):
-        Capture(writer, 3, radix_cache_off=False).on_forward(**batch)
-    assert Capture(writer, 3, radix_cache_off=True).on_forward(**batch) == len(REQUESTS)
+        Capture(writer, 3, radix_cache_off=False, dump_dtype="bfloat16").on_forward(**batch)
+    assert Capture(writer, 3, radix_cache_off=True,
+                   dump_dtype="bfloat16").on_forward(**batch) == len(REQUESTS)
     writer.close()

@@ -110,7 +110,7 @@ def test_sub_batches_bound_padded_tokens():
 def test_captured_states_equal_hf_hidden_states(model, tmp_path):
     # Different lengths, several sub-batches, and padding in every sub-batch but the first.
     jobs = random_jobs([37, 5, 23, 64, 1, 23, 12])
-    capturer = Capturer(model, LAYERS, "c" * 32, batch_tokens=80)
+    capturer = Capturer(model, LAYERS, "c" * 32, batch_tokens=80, dump_dtype="float32")
     done: list[_Pending] = []
     capturer.submit(jobs, tmp_path, _Pending(ids=[j.id for j in jobs]), done.append)
     capturer.close()
@@ -143,7 +143,7 @@ def test_protocol_over_pipes(tmp_path):
     worker = WorkerProcess(config)
     ready = worker.event()
     assert ready == {"event": "ready", "pid": worker.proc.pid, "device": "cpu", "dtype": "bfloat16",
-                     "model": MODEL}
+                     "dump_dtype": "bfloat16", "model": MODEL}
     jobs = random_jobs([30, 7, 19])
     worker.send(request(jobs[:2], spool))
     bad = {"id": sid(99), "input_ids": [1, VOCAB], "loss_mask": [0, 1]}
@@ -216,5 +216,13 @@ def test_gpu_extract_bench_runs_tiny_on_cpu():
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.strip().splitlines()
-    assert any(line.startswith("capture + dumps") for line in lines)
-    assert lines[-1].startswith("ratio capture/bare: ") and float(lines[-1].split()[-1]) > 0
+    assert any(line.startswith("capture + dumps float8_e4m3fn") for line in lines)
+    # Bytes of the dumps the bench wrote, per token: the tiny model's hidden size is 64, so
+    # 4·64·2 + 5 in bf16 and 4·64 + 16 + 5 in fp8, plus each file's header.
+    words = lines[-2].split()
+    assert words[:4] == ["dump", "bytes", "per", "token:"]
+    bf16, fp8 = float(words[5].rstrip(",")), float(words[7])
+    assert 517 < bf16 < 517 * 1.2 and 277 < fp8 < 277 * 1.2 and fp8 / bf16 <= 0.55
+    ratios = lines[-1].split()
+    assert ratios[:3] == ["ratio", "capture/bare:", "bfloat16"] and ratios[4] == "float8_e4m3fn"
+    assert float(ratios[3]) > 0 and float(ratios[5]) > 0
