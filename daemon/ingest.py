@@ -20,6 +20,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
+from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.dumpformat import DumpError
 from eagle3d.daemon import checksum
@@ -95,7 +96,7 @@ class Ingestor:
         expected = Expected(id=sid, path=str(path), tokens=sample.tokens,
                             loss_tokens=sample.loss_tokens, ids_hash=sample.ids_hash, checksum="",
                             contract_fingerprint=c["fingerprint"], hidden_size=c["hidden_size"],
-                            dtype=c["dtype"])
+                            dtype=capture_contract.dump_dtype(c))
         try:
             digest, nbytes = self._copy(path, dst, expected)
         except DumpError as exc:

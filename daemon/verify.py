@@ -2,8 +2,10 @@
 
 One pass over each file, in large chunks read into a reused buffer: each chunk feeds the
 checksum and, inside the float tensors, a finiteness test on the raw bits (an exponent of all
-ones is Inf or NaN), so verifying costs about what reading the file costs. Chunks start at each
-tensor's first byte, so a chunk never splits an element whatever the header's length.
+ones is Inf or NaN; fp8 e4m3 has NaN only, all seven bits set) and, in the scales of fp8 dumps,
+a test that each is finite and positive, so verifying costs about what reading the file costs.
+Chunks start at each tensor's first byte, so a chunk never splits an element whatever the
+header's length.
 
 Also the numerical spot check: a verified sample re-run through the engine must match its stored
 dump (`compare_dumps`). No torch here: this runs in the daemon's worker threads.
@@ -25,21 +27,24 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from eagle3d.dataset import dumpformat
+from eagle3d.dataset import dumpformat, precision
 from eagle3d.dataset.dumpformat import DumpError, DumpHeader, TensorInfo
 from eagle3d.daemon import checksum
 
 CHUNK = 8 << 20  # a multiple of every element size, larger than any header (MAX_HEADER)
 
-# dtype -> (signed and unsigned integer views, the exponent bits). A float is Inf or NaN when its
-# exponent bits are all ones: as a signed integer, a positive one is >= the exponent mask, and as
-# unsigned, a negative one is >= sign | exponent mask. So two max reductions find any, without
-# writing a masked copy (twice as fast as and + compare).
+# dtype -> (signed and unsigned integer views, the bits that are all ones in Inf and NaN: the
+# exponent; in e4m3, exponent and mantissa). A float is not finite when those bits are all ones:
+# as a signed integer, a positive one is >= the mask, and as unsigned, a negative one is
+# >= sign | mask. So two max reductions find any, without writing a masked copy (twice as fast
+# as and + compare).
 _FLOAT_BITS = {
     "BF16": (np.int16, np.uint16, 0x7F80),
     "F16": (np.int16, np.uint16, 0x7C00),
     "F32": (np.int32, np.uint32, 0x7F800000),
+    "F8_E4M3": (np.int8, np.uint8, 0x7F),
 }
+_SCALE_NAMES = frozenset(dumpformat.SCALES.values())
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,7 @@ class Expected:
     checksum: str
     contract_fingerprint: str
     hidden_size: int
-    dtype: str  # the contract's name: "bfloat16", "float16", "float32"
+    dtype: str  # the contract's dump dtype: "bfloat16", "float16", "float32", "float8_e4m3fn"
 
 
 def stat_key(st: os.stat_result) -> str:
@@ -231,9 +236,23 @@ class _TensorScan:
                 token = offset + int(np.argmax(chunk > 1))
                 return f"loss mask holds {chunk.max()} at token {token} (only 0 and 1 allowed)"
             self.mask_ones += int(np.count_nonzero(chunk))
+        elif self.name in _SCALE_NAMES:
+            return self.positive(chunk, offset)
         else:
             return self.finite(chunk, offset)
         return None
+
+    def positive(self, chunk: np.ndarray, offset: int) -> str | None:
+        """A scale must be finite and positive: zero, negative or NaN would wipe out, flip or
+        poison its whole row when dequantized."""
+        scales = chunk.view(np.float32)
+        good = (scales > 0) & (scales < np.inf)
+        if good.all():
+            return None
+        element = int(np.argmin(good))
+        token = (offset // 4 + element) // self.info.shape[1]
+        return (f"{self.name} holds {scales[element]} at token {token} (a scale must be finite "
+                "and positive)")
 
     def finite(self, chunk: np.ndarray, offset: int) -> str | None:
         signed, unsigned, exponent = _FLOAT_BITS[self.info.dtype]
@@ -283,7 +302,9 @@ def compare_dumps(stored: Path, fresh: Path, tolerance: float) -> str | None:
         a, b = dumpformat.read_header(stored), dumpformat.read_header(fresh)
     except (OSError, DumpError) as exc:
         return f"cannot read a dump to compare: {exc}"
-    for name in dumpformat.TENSORS:
+    if set(a.tensors) != set(b.tensors):
+        return (f"the fresh dump holds {sorted(b.tensors)}, the stored one {sorted(a.tensors)}")
+    for name in a.tensors:
         sa, sb = a.tensors[name], b.tensors[name]
         if (sa.dtype, sa.shape) != (sb.dtype, sb.shape):
             return (f"{name} is {sb.dtype} {list(sb.shape)} in the fresh dump, "
@@ -291,7 +312,8 @@ def compare_dumps(stored: Path, fresh: Path, tolerance: float) -> str | None:
     try:
         with open(stored, "rb", buffering=0, opener=_no_follow) as fa, \
                 open(fresh, "rb", buffering=0, opener=_no_follow) as fb:
-            return _compare_tensors(fa.fileno(), a, fb.fileno(), b, tolerance)
+            return _compare_tensors(fa.fileno(), a, fb.fileno(), b,
+                                    precision.spot_tolerance(tolerance, a.dtype))
     except (OSError, DumpError) as exc:
         return f"cannot read a dump to compare: {exc}"
 
@@ -307,7 +329,7 @@ def _compare_tensors(fa: int, a: DumpHeader, fb: int, b: DumpHeader, tolerance: 
         if _pread(fa, ta.begin, ta.end) != _pread(fb, tb.begin, tb.end):
             return f"{name} differ between the stored and the fresh dump"
     for name in dumpformat.HIDDEN:
-        error = _relative_error(fa, a.tensors[name], fb, b.tensors[name])
+        error = _relative_error(fa, a, fb, b, name)
         if not error <= tolerance:  # NaN fails too
             return (f"{name} differs from the fresh capture: relative error {error:.4g} "
                     f"> tolerance {tolerance:g}")
@@ -321,23 +343,38 @@ def _pread(fd: int, begin: int, end: int) -> bytes:
     return data
 
 
-def _relative_error(fa: int, a: TensorInfo, fb: int, b: TensorInfo) -> float:
-    """‖b − a‖ / ‖a‖ over one tensor, chunk by chunk in float32."""
+def _relative_error(fa: int, a: DumpHeader, fb: int, b: DumpHeader, name: str) -> float:
+    """‖b − a‖ / ‖a‖ over one hidden-state tensor, in float32, whole rows at a time (an fp8 row
+    is dequantized with its scales)."""
+    info = a.tensors[name]
+    rows, width = info.shape
+    row_bytes = width * dumpformat.DTYPE_SIZES[info.dtype]
+    scales_a, scales_b = _scales(fa, a, name), _scales(fb, b, name)
+    step = max(1, CHUNK // row_bytes)
     diff_sq = ref_sq = 0.0
-    for start in range(0, a.end - a.begin, CHUNK):
-        n = min(CHUNK, a.end - a.begin - start)
-        x = _as_float32(_pread(fa, a.begin + start, a.begin + start + n), a.dtype)
-        y = _as_float32(_pread(fb, b.begin + start, b.begin + start + n), b.dtype)
-        d = y - x
+    for start in range(0, rows, step):
+        end = min(rows, start + step)
+        x = _rows(fa, info, start, end, scales_a)
+        y = _rows(fb, b.tensors[name], start, end, scales_b)
+        d = (y - x).ravel()
         diff_sq += float(np.dot(d, d))
-        ref_sq += float(np.dot(x, x))
+        ref_sq += float(np.dot(x.ravel(), x.ravel()))
     if ref_sq == 0.0:
         return 0.0 if diff_sq == 0.0 else float("inf")
     return (diff_sq / ref_sq) ** 0.5
 
 
-def _as_float32(raw: bytes, dtype: str) -> np.ndarray:
-    if dtype == "BF16":
-        # bf16 is the high half of a float32: widening the bits is exact.
-        return (np.frombuffer(raw, np.uint16).astype(np.uint32) << 16).view(np.float32)
-    return np.frombuffer(raw, {"F16": np.float16, "F32": np.float32}[dtype]).astype(np.float32)
+def _scales(fd: int, h: DumpHeader, name: str) -> np.ndarray | None:
+    """The scales [T, groups] of an fp8 states tensor, None for float states."""
+    scale = h.tensors.get(dumpformat.SCALES[name])
+    if scale is None:
+        return None
+    return np.frombuffer(_pread(fd, scale.begin, scale.end), np.float32).reshape(scale.shape)
+
+
+def _rows(fd: int, info: TensorInfo, start: int, end: int, scales: np.ndarray | None
+          ) -> np.ndarray:
+    row_bytes = info.shape[1] * dumpformat.DTYPE_SIZES[info.dtype]
+    raw = _pread(fd, info.begin + start * row_bytes, info.begin + end * row_bytes)
+    return precision.rows_as_float32(raw, info.dtype, info.shape[1],
+                                     None if scales is None else scales[start:end])

@@ -74,7 +74,7 @@ class VerifyRunner:
                               checksum=s.checksum or "",
                               contract_fingerprint=self.contract["fingerprint"],
                               hidden_size=self.contract["hidden_size"],
-                              dtype=self.contract["dtype"])
+                              dtype=capture_contract.dump_dtype(self.contract))
                      for s in samples.values()]
             for sid, problem, stat_key in verify_many(items, self.cfg.verify.workers,
                                                       from_disk=doubt is not None):
