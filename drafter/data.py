@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eagle3d.dataset import dumpformat
-from eagle3d.dataset.dumpformat import AUX, INPUT_IDS, LAST, LOSS_MASK
+from eagle3d.dataset import precision
+from eagle3d.dataset.dumpformat import INPUT_IDS, LOSS_MASK
 
 WINDOW = 64  # samples sorted together: larger pads less, smaller shuffles more
 
@@ -61,26 +61,29 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int,
 
 
 def load_batch(paths: list[Path], indices: list[int], device: torch.device) -> Batch:
-    """Read the batch's samples (lazily, only their bytes) and pad them to a common length."""
+    """Read the batch's samples (lazily, only their bytes) and pad them to a common length.
+    The hidden states go to the device as stored (fp8 with its scales: half the bytes of bf16)
+    and are dequantized there."""
     rows = []
     for i in indices:
         with safe_open(str(paths[i]), framework="pt") as f:
-            rows.append({k: f.get_tensor(k) for k in dumpformat.TENSORS})
+            rows.append({k: f.get_tensor(k) for k in f.keys()})
     T = max(r[INPUT_IDS].shape[0] for r in rows)
     B = len(rows)
-    H = rows[0][LAST].shape[1]
-    dtype = rows[0][LAST].dtype
+    state_names = [k for k in rows[0] if k not in (INPUT_IDS, LOSS_MASK)]
+    # Padding rows stay zero; with fp8 their scales are zero too, so they dequantize to zero.
+    stored = {k: torch.zeros(B, T, *rows[0][k].shape[1:], dtype=rows[0][k].dtype)
+              for k in state_names}
     input_ids = torch.zeros(B, T, dtype=torch.int64)
-    aux = torch.zeros(B, T, 3 * H, dtype=dtype)
-    last = torch.zeros(B, T, H, dtype=dtype)
     targets = torch.zeros(B, T, dtype=torch.bool)
     for b, r in enumerate(rows):
         n = r[INPUT_IDS].shape[0]
         input_ids[b, :n] = r[INPUT_IDS]
-        aux[b, :n] = r[AUX]
-        last[b, :n] = r[LAST]
+        for k in state_names:
+            stored[k][b, :n] = r[k]
         # Index t's teacher predicts token t+1: it counts when that token is loss-masked.
         targets[b, :n - 1] = r[LOSS_MASK][1:].bool()
-    return Batch(input_ids.to(device), aux.to(device), last.to(device), targets.to(device),
+    aux, last = precision.decode_states({k: t.to(device) for k, t in stored.items()})
+    return Batch(input_ids.to(device), aux, last, targets.to(device),
                  sum(r[INPUT_IDS].shape[0] for r in rows))
 
