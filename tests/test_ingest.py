@@ -11,8 +11,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from eagle3d.dataset import dumpformat
+from eagle3d.dataset import dumpformat, precision
 from eagle3d.daemon import checksum
 from eagle3d.daemon.ingest import Ingestor, remove_dataset_debris
 from eagle3d.daemon.spool import Spool
@@ -146,6 +147,72 @@ def test_hostile_names_and_file_kinds(env, tmp_path):
     assert "unknown sample id" in results["f" * 32 + ".safetensors"].detail
     assert outside.read_bytes() == b"x" * 100  # never followed
     assert ledger.counts().get("extracted") == 0
+
+
+FP8_CONTRACT = {**CONTRACT, "dump_dtype": "float8_e4m3fn"}
+
+
+def write_fp8(spool: Path, sid: str, ids: bytes, damage=None) -> Path:
+    """An fp8 dump quantized the way the engines quantize; `damage(tensors)` may change the
+    stored tensors (states and scales, by name) before they are written."""
+    t = len(ids) // 4
+    g = torch.Generator().manual_seed(0)
+    stored = precision.encode_states(torch.randn(t, 3 * H, generator=g),
+                                     torch.randn(t, H, generator=g), "float8_e4m3fn")
+    if damage is not None:
+        damage(stored)
+    return dumpformat.write_dump(spool, sid, CONTRACT["fingerprint"], {
+        "input_ids": ("I32", (t,), ids), "loss_mask": ("U8", (t,), b"\1" * t),
+        **{name: precision.dump_entry(tensor) for name, tensor in stored.items()}})
+
+
+def set_value(name: str, row: int, column: int, value: float):
+    def damage(stored: dict) -> None:
+        stored[name][row, column] = value
+    return damage
+
+
+def nan_byte(stored: dict) -> None:
+    stored[dumpformat.AUX].view(torch.uint8)[4, 9] = 0x7F  # e4m3's NaN
+
+
+def scale_shape(stored: dict) -> None:
+    stored[dumpformat.AUX_SCALE] = stored[dumpformat.AUX_SCALE][:, :1].contiguous()
+
+
+def no_scales(stored: dict) -> None:
+    del stored[dumpformat.AUX_SCALE], stored[dumpformat.LAST_SCALE]
+
+
+@pytest.mark.parametrize("damage,expect", [
+    (set_value(dumpformat.AUX_SCALE, 3, 1, float("nan")),
+     "aux_hidden_states_scale holds nan at token 3 (a scale must be finite and positive)"),
+    (set_value(dumpformat.LAST_SCALE, 2, 0, 0.0),
+     "last_hidden_state_scale holds 0.0 at token 2 (a scale must be finite and positive)"),
+    (set_value(dumpformat.AUX_SCALE, 5, 2, -0.25), "aux_hidden_states_scale holds -0.25 at token 5"),
+    (set_value(dumpformat.LAST_SCALE, 0, 0, float("inf")),
+     "last_hidden_state_scale holds inf at token 0"),
+    (scale_shape, "bad dump: aux_hidden_states_scale is F32 [8, 1], not F32 [8, 3]"),
+    (no_scales, "bad dump: F8_E4M3 states need their scales"),
+    (nan_byte, "NaN/Inf in aux_hidden_states at token 4"),
+], ids=["nan scale", "zero scale", "negative scale", "inf scale", "scale shape", "no scales",
+        "nan in the fp8 values"])
+def test_fp8_dumps_with_bad_scales_or_values_are_rejected(env, damage, expect):
+    ing, ledger, spool, samples = env
+    ing.contract = FP8_CONTRACT
+    s = samples[0]
+    out = ing.ingest(write_fp8(spool, s.id, s.input_ids, damage).name)
+    assert out.kind == "rejected" and expect in out.detail
+    assert expect in ledger.sample(s.id).error and ledger.sample(s.id).status == "pending"
+
+
+def test_fp8_contract_takes_fp8_dumps_only(env):
+    ing, ledger, spool, samples = env
+    ing.contract = FP8_CONTRACT
+    s, other = samples[0], samples[1]
+    assert ing.ingest(write_fp8(spool, s.id, s.input_ids).name).kind == "ingested"
+    out = ing.ingest(write(spool, other.id, other.input_ids).name)
+    assert out.kind == "rejected" and "dtype BF16, the contract says float8_e4m3fn" in out.detail
 
 
 def test_duplicate_for_an_extracted_sample_is_rejected(env):

@@ -9,15 +9,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
-from eagle3d.dataset import dumpformat
+from eagle3d.dataset import dumpformat, precision
 from eagle3d.daemon import checksum, verify
 from eagle3d.daemon.verify import Expected, check_file, compare_dumps, verify_many
 
 CONTRACT = "c0" * 16
 OTHER_CONTRACT = "d1" * 16
 TOKENS, HIDDEN = 24, 16
-DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F8_E4M3": "float8_e4m3fn"}
 
 
 def sample_id(n: int) -> str:
@@ -30,6 +31,17 @@ def encode(values: np.ndarray, dtype: str) -> bytes:
     if dtype == "BF16":
         return (values.view(np.uint32) >> 16).astype(np.uint16).tobytes()
     return values.astype({"F16": np.float16, "F32": np.float32}[dtype]).tobytes()
+
+
+def hidden_entries(aux: np.ndarray, last: np.ndarray, dtype: str) -> dict:
+    """A dump's hidden-state tensors as write_dump takes them; fp8 ones quantized the way the
+    engines quantize, with their scales."""
+    if not dumpformat.is_scaled(dtype):
+        return {name: (dtype, values.shape, encode(values, dtype))
+                for name, values in ((dumpformat.AUX, aux), (dumpformat.LAST, last))}
+    stored = precision.encode_states(torch.from_numpy(aux).float(), torch.from_numpy(last).float(),
+                                     DTYPES[dtype])
+    return {name: precision.dump_entry(t) for name, t in stored.items()}
 
 
 def make_dump(folder: Path, n: int = 0, dtype: str = "BF16", tokens: int = TOKENS,
@@ -46,9 +58,7 @@ def make_dump(folder: Path, n: int = 0, dtype: str = "BF16", tokens: int = TOKEN
     path = dumpformat.write_dump(folder, sid, contract, {
         "input_ids": ("I32", (tokens,), ids),
         "loss_mask": ("U8", (tokens,), mask.tobytes()),
-        "aux_hidden_states": (dtype, (tokens, 3 * hidden), encode(aux, dtype)),
-        "last_hidden_state": (dtype, (tokens, hidden), encode(last, dtype)),
-    })
+        **hidden_entries(aux, last, dtype)})
     return Expected(sid, str(path), tokens, int(np.count_nonzero(mask)), dumpformat.ids_hash(ids),
                     checksum.file_checksum(path), CONTRACT, hidden, DTYPES[dtype])
 
@@ -212,7 +222,7 @@ def folder(parent: Path, name: str) -> Path:
     return parent / name
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["BF16", "F16", "F32"])
 def test_compare_dumps_tolerance(tmp_path: Path, dtype: str) -> None:
     rng = np.random.default_rng(3)
     aux, last = rng.standard_normal((TOKENS, 3 * HIDDEN)), rng.standard_normal((TOKENS, HIDDEN))
@@ -242,3 +252,33 @@ def test_compare_dumps_ids_shapes_and_nan(tmp_path: Path) -> None:
         "last_hidden_state differs from the fresh capture: relative error nan > tolerance 0.5"
     os.unlink(with_nan)
     assert compare_dumps(stored, with_nan, 0.5).startswith("cannot read a dump to compare: ")
+
+
+def test_compare_fp8_dumps_within_the_derived_bound(tmp_path: Path) -> None:
+    """Two fp8 captures of the same sample differ by kernel noise plus two roundings to e4m3:
+    the spot check allows that (0.156 for spot_tolerance 0.02), not a neighbouring layer."""
+    rng = np.random.default_rng(4)
+    aux, last = rng.standard_normal((TOKENS, 3 * HIDDEN)), rng.standard_normal((TOKENS, HIDDEN))
+    stored = Path(make_dump(folder(tmp_path, "stored"), dtype="F8_E4M3", aux=aux, last=last).path)
+    # A fresh capture: about 1% of noise on every value, as bf16 kernels of another batch shape;
+    # after two roundings to e4m3 the dumps differ by ~0.03, over the bf16 tolerance of 0.02.
+    noisy = aux * (1 + 0.01 * rng.standard_normal(aux.shape))
+    fresh = Path(make_dump(folder(tmp_path, "fresh"), dtype="F8_E4M3", aux=noisy, last=last).path)
+    assert compare_dumps(stored, fresh, tolerance=0.02) is None
+    # The same noise between two bf16 dumps stays under the configured tolerance itself.
+    assert compare_dumps(Path(make_dump(folder(tmp_path, "bf16"), aux=aux, last=last).path),
+                         Path(make_dump(folder(tmp_path, "bf16-fresh"), aux=noisy,
+                                        last=last).path), tolerance=0.02) is None
+    # A neighbouring layer: a quarter of the norm away.
+    neighbour = last + 0.25 * rng.standard_normal(last.shape)
+    other = Path(make_dump(folder(tmp_path, "other"), dtype="F8_E4M3", aux=aux,
+                           last=neighbour).path)
+    problem = compare_dumps(stored, other, tolerance=0.02)
+    assert problem.startswith("last_hidden_state differs from the fresh capture")
+    assert problem.endswith("> tolerance 0.156")
+
+
+def test_fp8_values_dequantize_like_torch() -> None:
+    """verify's numpy view of e4m3 bytes is torch's, for all 256 of them."""
+    every = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    np.testing.assert_array_equal(precision.E4M3_VALUES, every)
