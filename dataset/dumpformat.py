@@ -30,12 +30,14 @@ DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8, 
 INPUT_IDS, LOSS_MASK, AUX, LAST = "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"
 TENSORS = (INPUT_IDS, LOSS_MASK, AUX, LAST)
 HIDDEN = (AUX, LAST)  # the floating-point ones
-# fp8 dumps add each hidden-state tensor's scales, float32, one per token row of each captured
-# layer (the math is in precision.py).
+# The captured layers side by side in each hidden-state tensor, blocks of H columns: fp8 scales
+# them apart, and the spot check compares them apart.
+LAYER_BLOCKS = {AUX: 3, LAST: 1}
+# fp8 dumps add each hidden-state tensor's scales, float32, one per token row of each layer block
+# (the math is in precision.py).
 SCALED = "F8_E4M3"
 AUX_SCALE, LAST_SCALE = "aux_hidden_states_scale", "last_hidden_state_scale"
 SCALES = {AUX: AUX_SCALE, LAST: LAST_SCALE}
-SCALE_GROUPS = {AUX: 3, LAST: 1}
 SCALED_TENSORS = (*TENSORS, AUX_SCALE, LAST_SCALE)
 MAX_HEADER = 1 << 20
 
@@ -84,7 +86,7 @@ def bytes_per_token(hidden_size: int, dump_dtype: str) -> int:
     """Dataset bytes per token: 3 aux layers + the final state (with fp8, their 3 + 1 float32
     scales), plus input id and mask."""
     stored = DTYPE_NAMES[dump_dtype]
-    scales = sum(SCALE_GROUPS.values()) * DTYPE_SIZES["F32"] if is_scaled(stored) else 0
+    scales = sum(LAYER_BLOCKS.values()) * DTYPE_SIZES["F32"] if is_scaled(stored) else 0
     return 4 * hidden_size * DTYPE_SIZES[stored] + scales + 4 + 1
 
 
@@ -204,7 +206,7 @@ def _check_scales(tensors: dict[str, TensorInfo], t_count: int) -> None:
         raise DumpError(f"{tensors[LAST].dtype} states " + ("need their scales" if scaled else
                                                               "carry no scales"))
     for name, scale in SCALES.items() if scaled else ():
-        want = (t_count, SCALE_GROUPS[name])
+        want = (t_count, LAYER_BLOCKS[name])
         if tensors[scale].shape != want or tensors[scale].dtype != "F32":
             raise DumpError(f"{scale} is {tensors[scale].dtype} {list(tensors[scale].shape)}, "
                             f"not F32 {list(want)}")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
-from eagle3d.dataset.dumpformat import AUX, DTYPE_NAMES, LAST, SCALE_GROUPS, SCALES, is_scaled
+from eagle3d.dataset.dumpformat import AUX, DTYPE_NAMES, LAST, LAYER_BLOCKS, SCALES, is_scaled
 from eagle3d.statemachine.config import FP8
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def encode_states(aux: torch.Tensor, last: torch.Tensor, dump_dtype: str
         return {AUX: aux.to(getattr(torch, dump_dtype)), LAST: last.to(getattr(torch, dump_dtype))}
     stored = {}
     for name, states in ((AUX, aux), (LAST, last)):
-        stored[name], stored[SCALES[name]] = quantize_rows(states, SCALE_GROUPS[name])
+        stored[name], stored[SCALES[name]] = quantize_rows(states, LAYER_BLOCKS[name])
     return stored
 
 
