@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import tomli_w
 
-from eagle3d.statemachine.config import ConfigError, load_config, parse_size
+from eagle3d.statemachine.config import ConfigError, load_config, parse_size, reload_problem
 from tests.conftest import make_config, venv_bin
 
 BAD = [
@@ -24,6 +24,8 @@ BAD = [
     ("bad size unit", {"budget": {"spool_max": "12 parsecs"}}, "[budget.spool_max] expected a size"),
     ("bad engine", {"target": {"engine": "vllm"}}, "[target.engine] must be one of"),
     ("bad dtype", {"target": {"dtype": "int4"}}, "[target.dtype] must be one of"),
+    ("bad dump dtype", {"extract": {"dump_dtype": "float8_e5m2"}},
+     "[extract.dump_dtype] must be one of 'float32', 'bfloat16', 'float16', 'float8_e4m3fn'"),
     ("bad layers", {"target": {"aux_layers": [15, 2, 27]}}, "[target.aux_layers] layer ids must be increasing"),
     ("zero limit", {"data": {"limit": 0}}, "[data.limit] must be at least 1"),
     ("bool for int", {"train": {"nproc": True}}, "[train.nproc] expected int"),
@@ -100,3 +102,24 @@ def test_target_answers_with_the_sglang_engine_are_refused_by_name(config_factor
     path = config_factory({"target": {"engine": "sglang"}, "data": {"responses": "target"}})
     with pytest.raises(ConfigError, match=r"\[data.responses\].*SGLang engine does not generate"):
         load_config(path)
+
+
+def test_dump_dtype_left_out_is_the_target_dtype(config_factory):
+    """A config from before dump precisions stores the states as the target computes them."""
+    old = load_config(config_factory({"target": {"dtype": "float32"}}))
+    assert old.extract.dump_dtype == "float32"
+    fp8 = load_config(config_factory({"target": {"dtype": "float32"},
+                                      "extract": {"dump_dtype": "float8_e4m3fn"}}))
+    assert fp8.extract.dump_dtype == "float8_e4m3fn" and fp8.target.dtype == "float32"
+
+
+def test_a_reload_that_changes_dump_dtype_is_refused(config_factory):
+    running = load_config(config_factory())
+
+    def edited(dump_dtype: str):
+        return load_config(config_factory({"paths": {"spool_dir": str(running.paths.spool_dir)},
+                                           "extract": {"dump_dtype": dump_dtype}},
+                                          name=f"{dump_dtype}.toml"))
+    assert reload_problem(running, edited("bfloat16")) is None  # spelt out: the same
+    assert reload_problem(running, edited("float8_e4m3fn")).startswith(
+        "dump_dtype would break the dataset's capture contract")

@@ -25,7 +25,8 @@ from tests.pipeline import DaemonProcess, ctl, edit_config, messages_config, sta
 
 def test_the_config_in_force_loads_back_the_same_from_any_folder(config_factory, tmp_path):
     operator = config_factory({"target": {"aux_layers": [3, 10, 25]},
-                               "data": {"source": "conv.jsonl", "format": "messages"}})
+                               "data": {"source": "conv.jsonl", "format": "messages"},
+                               "extract": {"dump_dtype": "float8_e4m3fn"}})
     (tmp_path / "conv.jsonl").write_text("")
     cfg = load_config(operator)
     assert cfg.data.source == str(tmp_path / "conv.jsonl")  # relative: made absolute

