@@ -38,10 +38,10 @@ def tokenize_conversation(tokenizer, messages) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
+def build_dataset(root: Path, n: int, first: int, max_tokens: int, dump_dtype: str) -> None:
     import torch
     from eagle3d.dataset import contract as contract_mod
-    from eagle3d.dataset import dumpformat
+    from eagle3d.dataset import dumpformat, precision
     from eagle3d.target import loading
     from eagle3d.dataset.conversations import iter_conversations
     from eagle3d.statemachine import manifest
@@ -49,7 +49,7 @@ def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
 
     model_path = resolve_location(MODEL, Path("."))
     tokenizer = loading.load_tokenizer(model_path)
-    # float32: GGUF kernels compute in float32 anyway; the dumps are stored in bf16.
+    # float32: GGUF kernels compute in float32 anyway; the dumps store `dump_dtype`.
     model = loading.load_model(model_path, "float32", "cpu")
     cfg = model.config
     dataset_dir, state_dir = root / "dataset", root / "state"
@@ -61,6 +61,7 @@ def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
                 "tokenizer_fingerprint": "fixture", "chat_template_fingerprint": "fixture",
                 "layer_ids": LAYER_IDS, "layer_convention": contract_mod.LAYER_CONVENTION,
                 "final_state": contract_mod.FINAL_STATE, "dtype": "bfloat16",
+                "dump_dtype": dump_dtype,
                 "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
                 "vocab_size": cfg.vocab_size, "architecture": "LlamaForCausalLM",
                 "engine": "transformers"}
@@ -82,15 +83,13 @@ def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_hidden_states=True)
         hs = out.hidden_states
-        aux = torch.cat([hs[i][0] for i in LAYER_IDS], dim=-1).to(torch.bfloat16)
-        last = hs[-1][0].to(torch.bfloat16)  # Llama's last entry is after the final norm
+        aux = torch.cat([hs[i][0] for i in LAYER_IDS], dim=-1)
+        last = hs[-1][0]  # Llama's last entry is after the final norm
+        states = precision.encode_states(aux, last, dump_dtype)
         dumps[sid] = {
             "input_ids": ("I32", (len(ids),), ids_bytes),
             "loss_mask": ("U8", (len(ids),), bytes(mask)),
-            "aux_hidden_states": ("BF16", tuple(aux.shape),
-                                  aux.view(torch.int16).numpy().tobytes()),
-            "last_hidden_state": ("BF16", tuple(last.shape),
-                                  last.view(torch.int16).numpy().tobytes())}
+            **{name: precision.dump_entry(t) for name, t in states.items()}}
     ledger = Ledger(state_dir / "ledger.sqlite")
     ledger.add_planned(planned, [], {})
     ledger.claim(len(planned), 1 << 40)
@@ -104,16 +103,20 @@ def build_dataset(root: Path, n: int, first: int, max_tokens: int) -> None:
     ledger.close()
 
 
-def cached_dataset(n: int, first: int = 0, max_tokens: int = 512) -> Path:
+def cached_dataset(n: int, first: int = 0, max_tokens: int = 512,
+                   dump_dtype: str = "bfloat16") -> Path:
     """A folder with `dataset/` and `state/` (ledger), built on first use. Returns the folder."""
-    key = hashlib.blake2b(f"{n}:{first}:{max_tokens}:v2".encode(), digest_size=6).hexdigest()
+    # bf16 keeps the key it had before dump precisions: its files are the same.
+    spelled = "" if dump_dtype == "bfloat16" else f":{dump_dtype}"
+    key = hashlib.blake2b(f"{n}:{first}:{max_tokens}:v2{spelled}".encode(),
+                          digest_size=6).hexdigest()
     root = Path(tempfile.gettempdir()) / f"eagle3d-drafter-fixture-{key}"
     if (root / "done").exists():
         return root
     shutil.rmtree(root, ignore_errors=True)
     tmp = root.with_name(root.name + f".{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_dataset(tmp, n, first, max_tokens)
+    build_dataset(tmp, n, first, max_tokens, dump_dtype)
     (tmp / "done").write_text("ok")
     os.rename(tmp, root)
     return root

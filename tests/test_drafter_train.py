@@ -123,6 +123,26 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path, data_root):
     assert json.loads((train / "progress.json").read_text())["status"] == "training"
 
 
+@pytest.mark.slow
+def test_an_fp8_dataset_trains_like_its_bf16_twin(tmp_path, data_root):
+    """The same conversations dumped in fp8: the trainer dequantizes them as it loads each batch,
+    and the same seed follows the bf16 run's loss within a percent."""
+    fp8_root = cached_dataset(32, dump_dtype="float8_e4m3fn")
+    fp8_bytes, bf16_bytes = (sum(p.stat().st_size for p in (root / "dataset").rglob("*.safetensors"))
+                             for root in (fp8_root, data_root))
+    assert fp8_bytes <= 0.55 * bf16_bytes
+    runs = {}
+    for name, root in (("bf16", data_root), ("fp8", fp8_root)):
+        (tmp_path / name).mkdir()
+        config = write_config(tmp_path / name, root, {**SMALL, "max_steps": 4})
+        run = subprocess.run(train_cmd(config), capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        runs[name] = metrics(tmp_path / name / "train")
+    for a, b in zip(runs["bf16"], runs["fp8"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=0.01), (a["step"], a["loss"], b["loss"])
+    assert runs["fp8"][-1]["loss"] < runs["fp8"][0]["loss"]
+
+
 def test_refuses_a_dataset_that_does_not_match_the_ledger(tmp_path, data_root):
     from eagle3d.statemachine.ledger import Ledger
     other = tmp_path / "other"
