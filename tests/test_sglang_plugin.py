@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3d.dataset import dumpformat
+from eagle3d.dataset import dumpformat, precision
 from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, Capture, CaptureError,
                                            CaptureSettings, DumpWriter, check_layers,
                                            handshake_problem, ledger_loss_masks, prepare,
@@ -156,6 +156,35 @@ def test_capture_writes_one_dump_per_planned_request_and_ignores_decode(tmp_path
     for ids in REQUESTS:
         check_dump(spool / dumpformat.dump_name(sample_id(ids)), ids, table)
     assert writer.written == len(REQUESTS)
+    writer.close()
+
+
+def test_capture_writes_fp8_dumps_that_dequantize_to_the_states(tmp_path):
+    table = hidden_table()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, REQUESTS)))
+    capture = Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="float8_e4m3fn")
+    requests = [(sample_id(ids), ids) for ids in REQUESTS]
+    assert capture.on_forward(**extend_batch(requests, table)) == len(REQUESTS)
+    writer.flush()
+    for ids in REQUESTS:
+        path = spool / dumpformat.dump_name(sample_id(ids))
+        header = dumpformat.read_header(path)
+        assert header.dtype == "F8_E4M3" and header.tokens == len(ids)
+        assert header.tensors[dumpformat.AUX_SCALE].shape == (len(ids), 3)
+        stored = load_file(str(path))
+        assert stored["input_ids"].tolist() == ids
+        aux, last = precision.decode_states(stored)
+        want_aux, want_last = states(torch.tensor(ids), table)
+        for got, want, scale in ((aux, torch.cat(want_aux, dim=-1), dumpformat.AUX_SCALE),
+                                 (last, want_last, dumpformat.LAST_SCALE)):
+            got, want = got.float(), want.float()
+            row_scale = stored[scale].repeat_interleave(HIDDEN, dim=-1)
+            # e4m3's rounding (2^-10 of the scale in its subnormal range), then bf16's.
+            bound = 2 ** -4 * want.abs() + 2 ** -10 * row_scale + 2 ** -8 * got.abs()
+            assert ((got - want).abs() <= bound).all()
+            assert not torch.equal(got, want)  # quantized, not stored as is
     writer.close()
 
 
