@@ -53,6 +53,10 @@ def key_docs(text: str) -> dict[tuple[str, str], str]:
 
 
 def documented_default(doc: str, field: Field, section: str) -> object:
+    if m := re.search(r"Default: as \[(\w+)\] (\w+)\.(?:\s|$)", doc):
+        # A default that follows another key: the code's default must equal that key's.
+        other = {f.name: f for f in settable_fields()[m.group(1)]}[m.group(2)]
+        return other.default
     m = re.search(r"Default (\S+)\.(?:\s|$)", doc)
     assert m, f"[{section}] {field.name}: the comment gives no 'Default X.'"
     value = tomllib.loads(f"v = {m.group(1)}")["v"]
