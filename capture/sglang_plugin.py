@@ -6,8 +6,8 @@ every process it starts, and the hooks it registers are applied by SGLang's `Hoo
 For every EXTEND (prefill) forward, and no other mode, it takes the EAGLE-3 aux hidden states and
 the post-norm final hidden state, casts or quantizes them to the contract's dump dtype on the GPU
 (precision.py; fp8 halves what is copied to the host), splits them per request and writes one
-dump per request into the spool, named by the request id (= the sample id). With tensor parallelism every rank holds
-the same full hidden states, and rank 0 alone writes.
+dump per request into the spool, named by the request id (= the sample id). With tensor
+parallelism every rank holds the same full hidden states, and rank 0 alone writes.
 
 The part that touches SGLang is the last section of this module and is as thin as possible;
 everything above it is plain torch and tested here. Written against the source of sglang 0.5.14
@@ -134,7 +134,9 @@ def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend
     if not forward_mode_is_extend:
         return []
     import torch
-    from eagle3d.dataset import precision  # numpy: the daemon imports this module, not the code
+    # Imported here, as torch is: eagle3ctl imports this module (through the launcher) and no
+    # numpy.
+    from eagle3d.dataset import precision
     if aux_hidden is None or isinstance(aux_hidden, (list, tuple)) and not aux_hidden:
         raise CaptureError("the model captured no aux hidden states "
                            "(set_eagle3_layers_to_capture was not applied)")

@@ -58,7 +58,8 @@ def _binding(contract: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint(contract: dict[str, Any]) -> str:
-    return hashlib.blake2b(json.dumps(_binding(contract), sort_keys=True).encode(), digest_size=16).hexdigest()
+    binding = json.dumps(_binding(contract), sort_keys=True).encode()
+    return hashlib.blake2b(binding, digest_size=16).hexdigest()
 
 
 def read(dataset_dir: Path) -> dict[str, Any] | None:

@@ -204,7 +204,7 @@ def _check_scales(tensors: dict[str, TensorInfo], t_count: int) -> None:
     scaled = is_scaled(tensors[LAST].dtype)
     if scaled != (AUX_SCALE in tensors):
         raise DumpError(f"{tensors[LAST].dtype} states " + ("need their scales" if scaled else
-                                                              "carry no scales"))
+                                                              "must come without scales"))
     for name, scale in SCALES.items() if scaled else ():
         want = (t_count, LAYER_BLOCKS[name])
         if tensors[scale].shape != want or tensors[scale].dtype != "F32":

@@ -380,7 +380,8 @@ def parse_config(raw: dict, path: Path) -> Config:
 
     extract_raw = chk.section(raw, "extract")
     extract = chk.build(ExtractConfig, "extract", extract_raw, {
-        "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _POS_INT, "max_inflight_tokens": _POS_INT, "max_inflight_samples": _POS_INT,
+        "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _POS_INT,
+        "max_inflight_tokens": _POS_INT, "max_inflight_samples": _POS_INT,
         "inflight_timeout_s": _POS_FLOAT, "max_attempts": _POS_INT,
         "engine_max_restarts": _NONNEG_INT, "ingest_threads": _typed(int, minimum=1, maximum=64),
         "rescan_interval_s": _POS_FLOAT})

@@ -128,7 +128,8 @@ def test_an_fp8_dataset_trains_like_its_bf16_twin(tmp_path, data_root):
     """The same conversations dumped in fp8: the trainer dequantizes them as it loads each batch,
     and the same seed follows the bf16 run's loss within a percent."""
     fp8_root = cached_dataset(32, dump_dtype="float8_e4m3fn")
-    fp8_bytes, bf16_bytes = (sum(p.stat().st_size for p in (root / "dataset").rglob("*.safetensors"))
+    fp8_bytes, bf16_bytes = (sum(p.stat().st_size
+                                 for p in (root / "dataset").rglob("*.safetensors"))
                              for root in (fp8_root, data_root))
     assert fp8_bytes <= 0.55 * bf16_bytes
     runs = {}

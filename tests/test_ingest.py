@@ -184,19 +184,26 @@ def no_scales(stored: dict) -> None:
     del stored[dumpformat.AUX_SCALE], stored[dumpformat.LAST_SCALE]
 
 
+def bf16_with_scales(stored: dict) -> None:
+    for name in (dumpformat.AUX, dumpformat.LAST):
+        stored[name] = stored[name].to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("damage,expect", [
     (set_value(dumpformat.AUX_SCALE, 3, 1, float("nan")),
      "aux_hidden_states_scale holds nan at token 3 (a scale must be finite and positive)"),
     (set_value(dumpformat.LAST_SCALE, 2, 0, 0.0),
      "last_hidden_state_scale holds 0.0 at token 2 (a scale must be finite and positive)"),
-    (set_value(dumpformat.AUX_SCALE, 5, 2, -0.25), "aux_hidden_states_scale holds -0.25 at token 5"),
+    (set_value(dumpformat.AUX_SCALE, 5, 2, -0.25),
+     "aux_hidden_states_scale holds -0.25 at token 5"),
     (set_value(dumpformat.LAST_SCALE, 0, 0, float("inf")),
      "last_hidden_state_scale holds inf at token 0"),
     (scale_shape, "bad dump: aux_hidden_states_scale is F32 [8, 1], not F32 [8, 3]"),
     (no_scales, "bad dump: F8_E4M3 states need their scales"),
+    (bf16_with_scales, "bad dump: BF16 states must come without scales"),
     (nan_byte, "NaN/Inf in aux_hidden_states at token 4"),
 ], ids=["nan scale", "zero scale", "negative scale", "inf scale", "scale shape", "no scales",
-        "nan in the fp8 values"])
+        "bf16 with scales", "nan in the fp8 values"])
 def test_fp8_dumps_with_bad_scales_or_values_are_rejected(env, damage, expect):
     ing, ledger, spool, samples = env
     ing.contract = FP8_CONTRACT
