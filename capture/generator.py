@@ -88,6 +88,9 @@ class Writer:
         """Move the turns up to the next user turn into the conversation and return its prompt
         ids, or None when it is finished (no user turn left, or no room for an answer)."""
         taken = []
+        answered = sum(m["role"] == "assistant" for m in conv)
+        if self.settings.max_turns and answered >= self.settings.max_turns:
+            return None
         while left:
             taken.append(left.pop(0))
             if taken[-1]["role"] == "user":
