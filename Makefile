@@ -23,7 +23,7 @@ demo: setup
 	$(BIN)/eagle3ctl -c $(CONFIG) status || true  # exit 3: the daemon has finished
 
 test: setup
-	$(BIN)/python -m pytest -q -m "not long and not container"
+	$(BIN)/python -m pytest -q -m "not long and not container" --durations=25
 
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow and not container"

@@ -44,6 +44,10 @@ END_MARGIN = 8
 # An answer shorter than this is not worth starting: the conversation ends before that turn.
 MIN_ANSWER = 16
 PROGRESS_EVERY_S = 10.0
+# A batch is taken from this many batches' worth of the next conversations, shortest prompts
+# first: a batch decodes padded to its longest prompt, and one long prompt among short ones made
+# the whole batch pay for it (on 2 CPU cores, a batch of ShareGPT prompts took minutes).
+CLAIM_WINDOW = 8
 
 
 class Writer:
@@ -88,6 +92,9 @@ class Writer:
         """Move the turns up to the next user turn into the conversation and return its prompt
         ids, or None when it is finished (no user turn left, or no room for an answer)."""
         taken = []
+        answered = sum(m["role"] == "assistant" for m in conv)
+        if self.settings.max_turns and answered >= self.settings.max_turns:
+            return None
         while left:
             taken.append(left.pop(0))
             if taken[-1]["role"] == "user":
@@ -142,7 +149,8 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
                 "target_fingerprint": fingerprint}
     started, done, last_report = time.monotonic(), 0, 0.0
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
-        while batch := ledger.claim_prompts(cfg.generate.batch_size):
+        while batch := ledger.claim_prompts(cfg.generate.batch_size,
+                                            window=CLAIM_WINDOW * cfg.generate.batch_size):
             seed = cfg.generate.seed + batch[0][0].idx
             for (sample, _), messages in zip(batch, writer.answer([p for _, p in batch], seed)):
                 planned, skipped = plan_batch(tokenizer, [Conversation(sample.idx,

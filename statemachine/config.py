@@ -99,6 +99,7 @@ class DataConfig(NamedTuple):
 
 class GenerateConfig(NamedTuple):
     max_new_tokens: int = 512  # per assistant turn
+    max_turns: int = 0  # assistant turns per conversation; 0: one per user turn
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
@@ -195,8 +196,8 @@ class Config(NamedTuple):
                 "max_tokens": self.data.max_tokens, "responses": self.data.responses}
         if self.data.responses == "target":  # what the target writes depends on these too
             g = self.generate
-            keys.update(max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                        top_p=g.top_p, seed=g.seed)
+            keys.update(max_new_tokens=g.max_new_tokens, max_turns=g.max_turns,
+                        temperature=g.temperature, top_p=g.top_p, seed=g.seed)
         return keys
 
 
@@ -402,7 +403,7 @@ def parse_config(raw: dict, path: Path) -> Config:
         raise chk.fail("data.responses", '"target" needs [target] engine = "transformers" for '
                        'now (the SGLang engine does not generate yet); use "dataset" with SGLang')
     generate = chk.build(GenerateConfig, "generate", chk.section(raw, "generate"), {
-        "max_new_tokens": _POS_INT, "temperature": _typed(float, minimum=0.0),
+        "max_new_tokens": _POS_INT, "max_turns": _NONNEG_INT, "temperature": _typed(float, minimum=0.0),
         "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _NONNEG_INT,
         "batch_size": _typed(int, minimum=1, maximum=4096), "max_attempts": _POS_INT})
 

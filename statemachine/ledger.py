@@ -83,6 +83,17 @@ class LedgerError(RuntimeError):
     pass
 
 
+def _first_prompt_chars(messages: str) -> int:
+    """The length of a conversation's first prompt (its turns up to the first user turn), in
+    characters: the order of prompts by it is close to their order by tokens."""
+    total = 0
+    for turn in json.loads(messages):
+        total += len(turn.get("content") or "")
+        if turn.get("role") == "user":
+            break
+    return total
+
+
 def _checksum(text: str) -> str:
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
@@ -494,12 +505,16 @@ class Ledger:
 
     # ---- generation ([data] responses = "target") ----------------------------------------------
 
-    def claim_prompts(self, n: int) -> list[tuple[Sample, list[dict]]]:
-        """Move up to n ungenerated samples to generating, oldest first, with their prompts."""
+    def claim_prompts(self, n: int, window: int = 0) -> list[tuple[Sample, list[dict]]]:
+        """Move up to n ungenerated samples to generating, with their prompts: the n shortest
+        prompts among the oldest `window` (at least n), so that a batch decoded together is
+        padded to a length close to its own."""
         now = time.time()
         with self.transaction() as db:
             rows = db.execute(f"SELECT {_COLUMNS}, messages FROM samples JOIN prompts USING (id) "
-                              "WHERE status = 'ungenerated' ORDER BY idx LIMIT ?", (n,)).fetchall()
+                              "WHERE status = 'ungenerated' ORDER BY idx LIMIT ?",
+                              (max(n, window),)).fetchall()
+            rows = sorted(rows, key=lambda r: (_first_prompt_chars(r[-1]), r[1]))[:n]
             db.executemany("UPDATE samples SET status = 'generating', attempts = attempts + 1, "
                            "dispatched_at = ?, updated_at = ? WHERE id = ? AND "
                            "status = 'ungenerated'", [(now, now, r[0]) for r in rows])

