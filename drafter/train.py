@@ -11,6 +11,7 @@ train folder. `progress.json` tells the daemon where it is.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -126,7 +127,7 @@ def schedule(warmup: int, total: int):
     return factor
 
 
-def epoch_plans(cfg: Config, rt: Runtime, lengths: list[int]) -> list[list[list[int]]]:
+def epoch_plans(cfg: Config, rt: Runtime, lengths: list[int]) -> list[list[data.Planned]]:
     """This rank's batches for each epoch; a fractional last epoch is cut short."""
     plans = []
     for epoch in range(math.ceil(cfg.train.epochs)):
@@ -300,10 +301,12 @@ def resume(run: Run) -> None:
         run.scheduler.load_state_dict(state["scheduler"])
         run.step, run.epoch, run.pos = state["step"], state["epoch"], state["pos"]
         if state["world"] != rt.world:
+            # Ranks take the epoch's batches in turn: pos·world batches of it are trained.
             run.pos = run.pos * state["world"] // rt.world
             if rt.main:
-                log.warning("resuming a %d-process run with %d processes: the rest of epoch %d "
-                            "is approximated", state["world"], rt.world, run.epoch)
+                log.warning("resuming a %d-process run with %d processes: epoch %d goes on "
+                            "from batch %d of its order", state["world"], rt.world, run.epoch,
+                            run.pos * rt.world)
         restore_rng(rt, state["rng"])
         if rt.main:
             log.info("resuming at step %d of %d", run.step, run.total)
@@ -323,16 +326,24 @@ def save_checkpoint(run: Run) -> None:
         dist.barrier()
 
 
+def upcoming(run: Run) -> Iterator[data.Planned]:
+    """This rank's batches from where the run stands to its last step."""
+    start = sum(len(plan) for plan in run.plans[:run.epoch]) + run.pos
+    return itertools.islice(itertools.chain.from_iterable(run.plans), start,
+                            start + run.total - run.step)
+
+
 def train_loop(run: Run) -> bool:
     """Step until the last step or an agreed SIGTERM (checkpointed); True when stopped early."""
     cfg, rt = run.cfg, run.rt
     stop = Stop()
     started, started_step, last_log = time.monotonic(), run.step, 0.0
     metrics = open(layout.metrics_file(run.dir), "a") if rt.main else None
+    loader = data.batches(run.paths, upcoming(run), rt.device)
     try:
         while run.step < run.total:
             tick = time.monotonic()
-            batch = data.load_batch(run.paths, run.plans[run.epoch][run.pos], rt.device)
+            batch = next(loader)
             _, per_step, correct, counted = train_step(run.ddp, run.optimizer, batch,
                                                        run.teacher_head, cfg.train.ttt_steps,
                                                        cfg.train.grad_clip)
@@ -375,6 +386,7 @@ def train_loop(run: Run) -> bool:
                     log.info("stopped by SIGTERM at step %d, checkpoint saved", run.step)
                 return True
     finally:
+        loader.close()
         if metrics is not None:
             metrics.close()
     return False
