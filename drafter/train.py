@@ -50,6 +50,7 @@ log = logging.getLogger("eagle3d.trainer")
 class Runtime:
     rank: int
     world: int
+    local_rank: int
     local_world: int
     device: torch.device
 
@@ -72,7 +73,7 @@ def init_runtime(cfg: Config) -> Runtime:
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1:
         dist.init_process_group("nccl" if kind == "cuda" else "gloo")
-    return Runtime(rank, world, local_world, device)
+    return Runtime(rank, world, local_rank, local_world, device)
 
 
 def broadcast(rt: Runtime, value: Any) -> Any:
@@ -241,6 +242,26 @@ class Run:
         self.step = self.epoch = self.pos = 0
 
 
+def agreed_job(cfg: Config, rt: Runtime) -> None:
+    """Every node trains node 0's job. A node whose [train] settings differ from node 0's (an
+    outdated copy of the config) would plan other batches and hang the collectives: every rank
+    refuses instead, naming the nodes and the keys."""
+    if rt.world == 1:
+        return
+    # node_rank differs by design; threads is a CPU setting of each machine.
+    mine = cfg.train._replace(node_rank=0, threads=0)._asdict()
+    theirs = broadcast(rt, mine)
+    differing = sorted(key for key in mine if mine[key] != theirs[key])
+    everyone: list[Any] = [None] * rt.world
+    dist.all_gather_object(everyone, (cfg.train.node_rank, differing))
+    bad = {node: keys for node, keys in everyone if keys}
+    if bad:
+        listed = "; ".join(f"node {node}: {', '.join(keys)}" for node, keys in sorted(bad.items()))
+        raise Refusal(f"refusing to train: [train] settings differ from node 0's ({listed}); "
+                      "give every node a copy of node 0's config in force "
+                      "(<state_dir>/config.toml) with its own node_rank")
+
+
 def agreed_manifest(cfg: Config, rt: Runtime) -> dict[str, Any]:
     """Rank 0 checks the manifest; every rank gets it, or the same refusal."""
     manifest, refusal = None, None
@@ -259,6 +280,10 @@ def setup(cfg: Config, rt: Runtime) -> Run:
     """The model, optimizer, schedule and data plan of a run, from the checked manifest."""
     if rt.main:
         cfg.paths.train_dir.mkdir(parents=True, exist_ok=True)
+    if rt.local_rank == 0:
+        log.info("node %d of %d: ranks %d to %d of %d on %s", cfg.train.node_rank,
+                 cfg.train.nnodes, rt.rank, rt.rank + rt.local_world - 1, rt.world, rt.device)
+    agreed_job(cfg, rt)
     manifest = agreed_manifest(cfg, rt)
     run = Run(cfg, rt, manifest)
     if run.progress:
