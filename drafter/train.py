@@ -192,6 +192,14 @@ def build_drafter(draft_cfg: DraftConfig, embed: torch.Tensor, head_rows: torch.
     return model, teacher_head
 
 
+def data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model under DDP, as every rank trains it (the process group is up). The frozen
+    embedding is a buffer that every rank loads alike: nothing to broadcast at each step."""
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False)
+
+
 def make_optimizer(model: torch.nn.Module, lr: float,
                    weight_decay: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
@@ -300,9 +308,7 @@ def setup(cfg: Config, rt: Runtime) -> Run:
         DraftConfig.from_target(target_cfg, run.draft_vocab.size), embed,
         head[run.draft_vocab.target_ids], rt.device)
     del embed, head
-    run.ddp = (torch.nn.parallel.DistributedDataParallel(
-        run.model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-        broadcast_buffers=False) if rt.world > 1 else run.model)
+    run.ddp = data_parallel(run.model, rt.device) if rt.world > 1 else run.model
     run.optimizer = make_optimizer(run.model, cfg.train.lr, cfg.train.weight_decay)
     run.plans = epoch_plans(cfg, rt, run.lengths)
     run.total = sum(len(p) for p in run.plans)
