@@ -117,3 +117,10 @@ def test_a_multi_node_failure_points_at_the_other_nodes(config_factory, monkeypa
         assert "is `eagle3d train-node` running on every other node?" in stage.failure
     finally:
         ledger.close()
+
+
+def test_train_node_is_for_the_other_nodes_only(config_factory, caplog):
+    from eagle3d.daemon import train_node
+    zero = config_factory({"train": {"nnodes": 2, "rendezvous": "127.0.0.1:29400"}})
+    assert train_node.run(str(zero)) == entry.REFUSED
+    assert "node_rank = 0 is the daemon's node" in caplog.text
