@@ -332,12 +332,15 @@ def resume(run: Run) -> None:
         run.scheduler.load_state_dict(state["scheduler"])
         run.step, run.epoch, run.pos = state["step"], state["epoch"], state["pos"]
         if state["world"] != rt.world:
-            # Ranks take the epoch's batches in turn: pos·world batches of it are trained.
+            # Ranks take the epoch's batches in turn: pos·world batches of it are trained. A
+            # step is a round of this world's batches: the step count and the schedule follow.
             run.pos = run.pos * state["world"] // rt.world
+            run.step = sum(len(plan) for plan in run.plans[:run.epoch]) + run.pos
+            run.scheduler.last_epoch = run.step
             if rt.main:
                 log.warning("resuming a %d-process run with %d processes: epoch %d goes on "
-                            "from batch %d of its order", state["world"], rt.world, run.epoch,
-                            run.pos * rt.world)
+                            "from batch %d of its order, as step %d", state["world"], rt.world,
+                            run.epoch, run.pos * rt.world, run.step)
         restore_rng(rt, state["rng"])
         if rt.main:
             log.info("resuming at step %d of %d", run.step, run.total)

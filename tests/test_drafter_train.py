@@ -220,6 +220,28 @@ def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, dat
         torch.testing.assert_close(trained[name], reference[name], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.slow
+def test_a_resume_with_another_process_count_goes_on_where_the_epoch_stood(tmp_path, data_root):
+    """A node lost for good: the training goes on with fewer processes from the checkpoint.
+    Two processes trained 2 steps (4 batches of the epoch's order); one process goes on from
+    the epoch's 5th batch, as its step 4, and ends the epoch."""
+    from eagle3d.drafter import data
+    from eagle3d.statemachine import manifest as manifest_mod
+    settings = {**SMALL, "checkpoint_every": 2}
+    two = write_config(tmp_path, data_root, {**settings, "nproc": 2, "max_steps": 2})
+    run = subprocess.run(train_cmd(two, 2), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one = write_config(tmp_path, data_root, {**settings, "nproc": 1})
+    run = subprocess.run(train_cmd(one, 1), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("resuming a 2-process run with 1 processes: epoch 0 goes on from batch 4 of its "
+            "order, as step 4") in run.stderr
+    lengths = [s["tokens"] for s in manifest_mod.read(data_root / "dataset")["samples"]]
+    total = len(data.plan_epoch(lengths, SMALL["batch_tokens"], 0, 0, 1)[0])
+    steps = [r["step"] for r in metrics(tmp_path / "train")]
+    assert steps == [1, 2, *range(5, total + 1)]
+
+
 def test_refuses_a_dataset_that_does_not_match_the_ledger(tmp_path, data_root):
     from eagle3d.statemachine.ledger import Ledger
     other = tmp_path / "other"
