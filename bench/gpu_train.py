@@ -1,7 +1,10 @@
 """Drafter training tokens/s and peak memory, as a ratio to SpecForge's EAGLE-3 trainer.
 
 A Llama-3.1-8B-sized draft (hidden 4096, intermediate 14336, 32/8 heads, draft vocabulary 32,000
-of 128,256, TTT 7, batch 1, bf16) trains on the same random batches, from the same initial
+of 128,256, TTT 7, batch 1, bf16), or with `--shape kimi-k2.5` a Kimi-K2.5-sized one (hidden
+7168, intermediate 18432, 64/64 heads of dim 128, draft vocabulary 32,000 of 163,840, rope theta
+1e6: one decoder layer on [embedding ; fc(aux)], 2 x 7168 wide), trains on the same random
+batches, from the same initial
 weights, with the same draft vocabulary, learning rate and gradient clipping, twice in one
 process: with our trainer (drafter/train.py's build_drafter, make_optimizer and train_step) and
 with SpecForge's (`LlamaForCausalLMEagle3` with flex attention, `OnlineEagle3Model`, `TargetHead`,
@@ -12,12 +15,16 @@ Judged by, per sequence length,
     ratio = our tokens/s / SpecForge's tokens/s
             (goal: >= 1.2 at no more peak memory, with the loss after the same tokens no worse)
 
-printed last. SpecForge is optional (its wheel installs with `pip install --no-deps`); without it
+printed last. Each row also gives the model FLOPs utilization (MFU): the model's FLOPs per
+step (train_flops: 6 x weights x rows for the trainable matmuls, attention as it is masked, the
+frozen teacher head forward only) per second, over the bf16 matmul peak measured in the same
+run. SpecForge is optional (its wheel installs with `pip install --no-deps`); without it
 our trainer runs alone. `--tiny` swaps in a tiny shape so the script runs anywhere (on CPU in the
 tests).
 
-    python bench/gpu_train.py                 # on a GPU server
-    python bench/gpu_train.py --tiny          # anywhere
+    python bench/gpu_train.py                       # on a GPU server
+    python bench/gpu_train.py --shape kimi-k2.5     # the Kimi-K2.5-sized draft
+    python bench/gpu_train.py --tiny                # anywhere
 """
 
 from __future__ import annotations
@@ -74,7 +81,6 @@ from eagle3d.drafter import data, vocab as vocab_mod  # noqa: E402
 from eagle3d.drafter.model import LOSS_DECAY, DraftConfig  # noqa: E402
 from eagle3d.drafter.train import build_drafter, make_optimizer, train_step  # noqa: E402
 
-ROPE = {"rope_type": "default", "rope_theta": 500000.0}
 RMS_EPS = 1e-5
 GRAD_CLIP = 0.5  # [train] grad_clip's default, and SpecForge's max_grad_norm
 OUT_OF_DRAFT_SCALE = 0.1
@@ -83,21 +89,30 @@ LOSS_TOLERANCE = 0.01  # "no worse": within 1% (bf16 runs differ in the last bit
 
 @dataclass(frozen=True)
 class Shape:
+    name: str
     hidden: int
     intermediate: int
     heads: int
     kv_heads: int
+    head_dim: int
     vocab: int
     draft_vocab: int
+    rope_theta: float
 
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def rope(self) -> dict:
+        return {"rope_type": "default", "rope_theta": self.rope_theta}
 
 
-LLAMA_8B = Shape(hidden=4096, intermediate=14336, heads=32, kv_heads=8, vocab=128256,
-                 draft_vocab=32000)
-TINY = Shape(hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512, draft_vocab=128)
+LLAMA_8B = Shape("Llama-3.1-8B-sized", hidden=4096, intermediate=14336, heads=32, kv_heads=8,
+                 head_dim=128, vocab=128256, draft_vocab=32000, rope_theta=500000.0)
+# Kimi-K2.5 (DeepSeek-V3's layout): its draft is a Llama layer of 64 heads of 128, wider than
+# the hidden size (8192 vs 7168), with as many KV heads.
+KIMI_K25 = Shape("Kimi-K2.5-sized", hidden=7168, intermediate=18432, heads=64, kv_heads=64,
+                 head_dim=128, vocab=163840, draft_vocab=32000, rope_theta=1e6)
+TINY = Shape("tiny", hidden=64, intermediate=128, heads=4, kv_heads=2, head_dim=16, vocab=512,
+             draft_vocab=128, rope_theta=500000.0)
+SHAPES = {"llama-8b": LLAMA_8B, "kimi-k2.5": KIMI_K25}
 
 
 @dataclass(frozen=True)
@@ -161,7 +176,7 @@ def draft_config(shape: Shape, max_len: int) -> DraftConfig:
                        num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
                        rms_norm_eps=RMS_EPS, max_position_embeddings=max_len,
                        vocab_size=shape.vocab, draft_vocab_size=shape.draft_vocab,
-                       rope_parameters=dict(ROPE))
+                       rope_parameters=shape.rope)
 
 
 def initial_weights(shape: Shape, target: Target, max_len: int,
@@ -217,7 +232,7 @@ class SpecForgeTrainer:
             intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
             num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, num_hidden_layers=1,
             vocab_size=shape.vocab, draft_vocab_size=shape.draft_vocab,
-            max_position_embeddings=max_len, rms_norm_eps=RMS_EPS, rope_parameters=dict(ROPE),
+            max_position_embeddings=max_len, rms_norm_eps=RMS_EPS, rope_parameters=shape.rope,
             tie_word_embeddings=False, target_hidden_size=shape.hidden)
         config.save_pretrained(config_dir)  # TargetHead reads the target's config from a folder
         with torch.device(device):
@@ -322,16 +337,59 @@ def timed_run(build: Callable[[], OurTrainer | SpecForgeTrainer], batches: list[
     return Run(seconds, steps * batches[0].tokens, peak, loss)
 
 
+def train_flops(shape: Shape, seq_len: int, ttt: int) -> float:
+    """The model FLOPs of one training step on one sequence whose every next token counts (the
+    random batches), counted as the drafter computes them. A matmul of an [n, k] input by a
+    trainable [k, m] weight is 2nkm forward, 2nkm for the input's gradient and 2nkm for the
+    weight's (6 x weights x rows); fc's input (the captured states) needs no gradient (4 x);
+    the teacher head (frozen) runs forward only, once. Per TTT step k the decoder layer runs on
+    all T rows, the lm_head on the T - 2 - k rows that learn a teacher, and attention reads
+    (T + 1) / 2 context keys on average (causal) plus k drafts per query: 4 x heads x head_dim
+    per key forward, 3 x that with the backward. Norms, rotations and softmaxes are left out.
+    Both trainers are judged by the same count: it is the model's work, not the kernels'."""
+    H, T = shape.hidden, seq_len
+    attention_width = shape.heads * shape.head_dim
+    layer = (2 * H * (attention_width + 2 * shape.kv_heads * shape.head_dim)  # q, k, v
+             + attention_width * H + 3 * H * shape.intermediate)  # o, gate, up, down
+    counted = T - 1  # every index whose next token exists
+    flops = 4 * T * 3 * H * H + 2 * counted * H * shape.draft_vocab  # fc; the teacher head
+    for k in range(ttt):
+        flops += 6 * T * layer + 6 * max(0, T - 2 - k) * H * shape.draft_vocab
+        flops += 12 * attention_width * T * ((T + 1) / 2 + k)
+    return float(flops)
+
+
+def matmul_peak(device: torch.device) -> float:
+    """FLOP/s of the best of a few bf16 square matmuls, timed here: the ceiling MFU is read
+    against (on an H200 it comes out below the data sheet's 989 TFLOP/s dense)."""
+    n, reps = (8192, 20) if device.type == "cuda" else (256, 3)
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    best = float("inf")
+    for _ in range(4):  # the first round warms up
+        synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            a @ b
+        synchronize(device)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    del a, b
+    free(device)
+    return 2 * n ** 3 / best
+
+
 @dataclass
 class Result:
     tokens_per_s: float
     peak_gib: float
     loss: float
+    flops_per_s: float  # the model's (train_flops)
 
 
-def summarize(runs: list[Run]) -> Result:
-    return Result(sum(r.tokens for r in runs) / sum(r.seconds for r in runs),
-                  max(r.peak for r in runs) / 2**30, sum(r.loss for r in runs) / len(runs))
+def summarize(runs: list[Run], flops_per_token: float) -> Result:
+    tokens_per_s = sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
+    return Result(tokens_per_s, max(r.peak for r in runs) / 2**30,
+                  sum(r.loss for r in runs) / len(runs), tokens_per_s * flops_per_token)
 
 
 def specforge_missing() -> str | None:
@@ -345,6 +403,8 @@ def specforge_missing() -> str | None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="the draft's shape (default llama-8b)")
     parser.add_argument("--seq-lens", default="",
                         help="comma-separated sequence lengths (default: 2048,4096; 32,64 with "
                              "--tiny)")
@@ -364,7 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.steps, args.repeats, args.batches, args.ttt) < 1 or args.warmup < 0:
         parser.error("--steps, --repeats, --batches and --ttt must be >= 1, --warmup >= 0")
 
-    shape = TINY if args.tiny else LLAMA_8B
+    if args.tiny and args.shape:
+        parser.error("--tiny is a shape of its own: give --tiny or --shape")
+    shape = TINY if args.tiny else SHAPES[args.shape or "llama-8b"]
     seq_lens = [int(s) for s in (args.seq_lens or ("32,64" if args.tiny else "2048,4096"))
                 .split(",")]
     if min(seq_lens) <= args.ttt:
@@ -388,24 +450,30 @@ def main(argv: list[str] | None = None) -> int:
             shape, target, weights, max_len, args.lr, args.ttt, device, args.specforge_backend,
             config_dir)
 
+    peak = matmul_peak(device)
     results = measure(trainers, seq_lens, batches=lambda n: random_batches(
-        shape, n, args.batches, device), warmup=args.warmup, steps=args.steps,
-        repeats=args.repeats, device=device)
+        shape, n, args.batches, device), flops_per_token=lambda n: train_flops(
+        shape, n, args.ttt) / n, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
+        device=device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"draft {'tiny' if args.tiny else 'Llama-3.1-8B-sized'} (hidden {shape.hidden}, "
-          f"intermediate {shape.intermediate}, heads {shape.heads}/{shape.kv_heads}, draft "
-          f"vocab {shape.draft_vocab} of {shape.vocab}), TTT {args.ttt}, batch 1, bf16, {where}; "
-          f"{args.warmup} warm-up + {args.steps} timed steps x {args.repeats} runs; SpecForge "
+    print(f"draft {shape.name} (hidden {shape.hidden}, intermediate {shape.intermediate}, "
+          f"heads {shape.heads}/{shape.kv_heads} of dim {shape.head_dim}, draft vocab "
+          f"{shape.draft_vocab} of {shape.vocab}, rope theta {shape.rope_theta:g}), TTT "
+          f"{args.ttt}, batch 1, bf16, {where}; {args.warmup} warm-up + {args.steps} timed steps "
+          f"x {args.repeats} runs; SpecForge "
           f"{args.specforge_backend if skipped is None else 'skipped'}")
-    report(results, seq_lens, list(trainers))
+    print(f"MFU: the model's FLOPs per second (bench/gpu_train.py train_flops) over the bf16 "
+          f"matmul peak measured here, {peak / 1e12:.3g} TFLOP/s")
+    report(results, seq_lens, list(trainers), peak)
     if skipped is not None:
         print(f"comparison with SpecForge skipped ({skipped})")
     return 0 if all(isinstance(r, Result) for r in results.values()) else 1
 
 
 def measure(trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]],
-            seq_lens: list[int], batches: Callable[[int], list[Batch]], warmup: int, steps: int,
-            repeats: int, device: torch.device) -> dict[tuple[int, str], Result | str]:
+            seq_lens: list[int], batches: Callable[[int], list[Batch]],
+            flops_per_token: Callable[[int], float], warmup: int, steps: int, repeats: int,
+            device: torch.device) -> dict[tuple[int, str], Result | str]:
     """Per (length, trainer), its figures or why it failed; runs alternate ABBA."""
     results: dict[tuple[int, str], Result | str] = {}
     for seq_len in seq_lens:
@@ -422,16 +490,16 @@ def measure(trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]],
                     results[seq_len, name] = f"failed: {type(exc).__name__}"
         for name, done in runs.items():
             if done and (seq_len, name) not in results:
-                results[seq_len, name] = summarize(done)
+                results[seq_len, name] = summarize(done, flops_per_token(seq_len))
         del inputs
         free(device)
     return results
 
 
 def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
-           names: list[str]) -> None:
+           names: list[str], peak: float) -> None:
     """The table, then (with SpecForge) the judged ratios, last."""
-    print(f"{'T':>6}  {'trainer':<10}{'tokens/s':>10}{'peak GiB':>10}{'loss':>9}")
+    print(f"{'T':>6}  {'trainer':<10}{'tokens/s':>10}{'peak GiB':>10}{'loss':>9}{'MFU':>8}")
     for seq_len in seq_lens:
         for name in names:
             res = results[seq_len, name]
@@ -439,7 +507,7 @@ def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
                 print(f"{seq_len:>6}  {name:<10}{res:>29}")
             else:
                 print(f"{seq_len:>6}  {name:<10}{res.tokens_per_s:>10.0f}"
-                      f"{res.peak_gib:>10.2f}{res.loss:>9.4f}")
+                      f"{res.peak_gib:>10.2f}{res.loss:>9.4f}{res.flops_per_s / peak:>8.3f}")
     if "specforge" not in names:
         return
     verdicts = []

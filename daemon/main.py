@@ -1,4 +1,5 @@
-"""`eagle3d run`: the daemon in the foreground (systemd runs it exactly so)."""
+"""`eagle3d run`: the daemon in the foreground (systemd runs it exactly so). `eagle3d train-node`:
+on the other nodes of a multi-node training, this node's share of node 0's trainings."""
 
 from __future__ import annotations
 
@@ -16,11 +17,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3d", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline daemon in the foreground")
-    run.add_argument("-c", "--config", default=os.environ.get("EAGLE3D_CONFIG", DEFAULT_CONFIG),
-                     help=f"config file (default {DEFAULT_CONFIG} or $EAGLE3D_CONFIG)")
     run.add_argument("--until", choices=ORDER,
                      help="exit 0 once this stage is reached, non-zero if the pipeline fails")
+    node = sub.add_parser("train-node", help="on node k > 0 of a multi-node training ([train] "
+                          "node_rank), take part in node 0's trainings until stopped")
+    for command in (run, node):
+        command.add_argument("-c", "--config",
+                             default=os.environ.get("EAGLE3D_CONFIG", DEFAULT_CONFIG),
+                             help=f"config file (default {DEFAULT_CONFIG} or $EAGLE3D_CONFIG)")
     args = parser.parse_args(argv)
+    if args.command == "train-node":
+        setup_logging("train-node")
+        from eagle3d.daemon.train_node import run as run_node
+        return run_node(args.config)
     setup_logging("daemon")
     from eagle3d.daemon.reconcile import run as run_daemon
     code = run_daemon(args.config, args.until)

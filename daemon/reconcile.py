@@ -31,8 +31,8 @@ from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.daemon.verify_stage import VerifyStage
 from eagle3d.statemachine import entry, layout, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
-from eagle3d.statemachine.config import (Config, ConfigError, load_config, reload_problem,
-                                          write_in_force)
+from eagle3d.statemachine.config import (Config, ConfigError, daemon_problem, load_config,
+                                          reload_problem, write_in_force)
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Facts, Stage
 from eagle3d.statemachine.statefile import write_state
@@ -65,6 +65,9 @@ def prepare_dirs(cfg: Config) -> None:
 class Daemon:
     def __init__(self, cfg: Config, until: str | None = None,
                  engine_factory: EngineFactory = start_engine) -> None:
+        problem = daemon_problem(cfg)
+        if problem:
+            raise ConfigError(problem)
         self.cfg = cfg
         self.until = until
         prepare_dirs(cfg)

@@ -22,10 +22,19 @@ log = logging.getLogger("eagle3d")
 STOP_GRACE = 60.0
 
 
-def trainer_argv(cfg: Config) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={cfg.train.nproc}", "-m", "eagle3d.drafter.train",
-            "-c", str(layout.config_in_force(cfg.paths.state_dir))]
+def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
+    """torchrun with this node's share of the trainer's processes, reading `config_path`.
+
+    Several nodes meet at node 0's [train] rendezvous through torchrun's static rendezvous:
+    it makes node k's processes ranks k·nproc … k·nproc + nproc - 1, so rank 0 (which checks
+    the ledger, checkpoints and exports) is always on node 0, beside the daemon. (The c10d
+    rendezvous orders nodes by host name and pid instead and ignores --node_rank.)"""
+    t = cfg.train
+    nodes = (["--standalone"] if t.nnodes == 1 else
+             [f"--nnodes={t.nnodes}", f"--node_rank={t.node_rank}", "--rdzv_backend=static",
+              f"--rdzv_endpoint={t.rendezvous}"])
+    return [sys.executable, "-m", "torch.distributed.run", *nodes,
+            f"--nproc_per_node={t.nproc}", "-m", "eagle3d.drafter.train", "-c", str(config_path)]
 
 
 def eval_argv(cfg: Config) -> list[str]:
@@ -74,7 +83,8 @@ class TrainStage:
             self.child = Child("evaluate", eval_argv(self.cfg), self.pid_dir)
         else:
             self.phase = "training"
-            self.child = Child("trainer", trainer_argv(self.cfg), self.pid_dir)
+            self.child = Child("trainer", trainer_argv(
+                self.cfg, layout.config_in_force(self.cfg.paths.state_dir)), self.pid_dir)
 
     def _finished(self, code: int, fingerprint: str) -> None:
         name = self.child.name if self.child else "trainer"
@@ -100,6 +110,9 @@ class TrainStage:
                    else f"{self.restarts} times ([train] max_restarts = "
                         f"{self.cfg.train.max_restarts})")
             self.failure = f"{name} exited with code {code}, {why}; see the log"
+            if name == "trainer" and self.cfg.train.nnodes > 1:
+                self.failure += (f" (all {self.cfg.train.nnodes} nodes must take part: is "
+                                 "`eagle3d train-node` running on every other node?)")
             self.phase = "failed"
             log.error("%s", self.failure)
             self.ledger.event("train_failed", self.failure)

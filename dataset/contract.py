@@ -14,8 +14,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import tomli_w
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -94,6 +92,8 @@ def check_target(doc: dict[str, Any], target_fingerprint: str, model: str) -> No
 
 def write(dataset_dir: Path, contract: dict[str, Any]) -> dict[str, Any]:
     """Write the contract with its fingerprint; returns what was written."""
+    import tomli_w  # here, not at the top: the trainer only reads contracts, and GPU images
+    # without tomli_w must still run it
     doc = dict(contract)
     doc["fingerprint"] = fingerprint(contract)
     atomic_write_bytes(layout.contract_file(dataset_dir), tomli_w.dumps(doc).encode())

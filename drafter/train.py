@@ -11,6 +11,7 @@ train folder. `progress.json` tells the daemon where it is.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import math
@@ -21,7 +22,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ log = logging.getLogger("eagle3d.trainer")
 class Runtime:
     rank: int
     world: int
+    local_rank: int
     local_world: int
     device: torch.device
 
@@ -71,7 +73,7 @@ def init_runtime(cfg: Config) -> Runtime:
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1:
         dist.init_process_group("nccl" if kind == "cuda" else "gloo")
-    return Runtime(rank, world, local_world, device)
+    return Runtime(rank, world, local_rank, local_world, device)
 
 
 def broadcast(rt: Runtime, value: Any) -> Any:
@@ -126,7 +128,7 @@ def schedule(warmup: int, total: int):
     return factor
 
 
-def epoch_plans(cfg: Config, rt: Runtime, lengths: list[int]) -> list[list[list[int]]]:
+def epoch_plans(cfg: Config, rt: Runtime, lengths: list[int]) -> list[list[data.Planned]]:
     """This rank's batches for each epoch; a fractional last epoch is cut short."""
     plans = []
     for epoch in range(math.ceil(cfg.train.epochs)):
@@ -190,6 +192,14 @@ def build_drafter(draft_cfg: DraftConfig, embed: torch.Tensor, head_rows: torch.
     return model, teacher_head
 
 
+def data_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """The model under DDP, as every rank trains it (the process group is up). The frozen
+    embedding is a buffer that every rank loads alike: nothing to broadcast at each step."""
+    return torch.nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        broadcast_buffers=False)
+
+
 def make_optimizer(model: torch.nn.Module, lr: float,
                    weight_decay: float) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay,
@@ -240,6 +250,26 @@ class Run:
         self.step = self.epoch = self.pos = 0
 
 
+def agreed_job(cfg: Config, rt: Runtime) -> None:
+    """Every node trains node 0's job. A node whose [train] settings differ from node 0's (an
+    outdated copy of the config) would plan other batches and hang the collectives: every rank
+    refuses instead, naming the nodes and the keys."""
+    if rt.world == 1:
+        return
+    # node_rank differs by design; threads is a CPU setting of each machine.
+    mine = cfg.train._replace(node_rank=0, threads=0)._asdict()
+    theirs = broadcast(rt, mine)
+    differing = sorted(key for key in mine if mine[key] != theirs[key])
+    everyone: list[Any] = [None] * rt.world
+    dist.all_gather_object(everyone, (cfg.train.node_rank, differing))
+    bad = {node: keys for node, keys in everyone if keys}
+    if bad:
+        listed = "; ".join(f"node {node}: {', '.join(keys)}" for node, keys in sorted(bad.items()))
+        raise Refusal(f"refusing to train: [train] settings differ from node 0's ({listed}); "
+                      "give every node a copy of node 0's config in force "
+                      "(<state_dir>/config.toml) with its own node_rank")
+
+
 def agreed_manifest(cfg: Config, rt: Runtime) -> dict[str, Any]:
     """Rank 0 checks the manifest; every rank gets it, or the same refusal."""
     manifest, refusal = None, None
@@ -258,6 +288,10 @@ def setup(cfg: Config, rt: Runtime) -> Run:
     """The model, optimizer, schedule and data plan of a run, from the checked manifest."""
     if rt.main:
         cfg.paths.train_dir.mkdir(parents=True, exist_ok=True)
+    if rt.local_rank == 0:
+        log.info("node %d of %d: ranks %d to %d of %d on %s", cfg.train.node_rank,
+                 cfg.train.nnodes, rt.rank, rt.rank + rt.local_world - 1, rt.world, rt.device)
+    agreed_job(cfg, rt)
     manifest = agreed_manifest(cfg, rt)
     run = Run(cfg, rt, manifest)
     if run.progress:
@@ -274,9 +308,7 @@ def setup(cfg: Config, rt: Runtime) -> Run:
         DraftConfig.from_target(target_cfg, run.draft_vocab.size), embed,
         head[run.draft_vocab.target_ids], rt.device)
     del embed, head
-    run.ddp = (torch.nn.parallel.DistributedDataParallel(
-        run.model, device_ids=[rt.device.index] if rt.device.type == "cuda" else None,
-        broadcast_buffers=False) if rt.world > 1 else run.model)
+    run.ddp = data_parallel(run.model, rt.device) if rt.world > 1 else run.model
     run.optimizer = make_optimizer(run.model, cfg.train.lr, cfg.train.weight_decay)
     run.plans = epoch_plans(cfg, rt, run.lengths)
     run.total = sum(len(p) for p in run.plans)
@@ -300,10 +332,15 @@ def resume(run: Run) -> None:
         run.scheduler.load_state_dict(state["scheduler"])
         run.step, run.epoch, run.pos = state["step"], state["epoch"], state["pos"]
         if state["world"] != rt.world:
+            # Ranks take the epoch's batches in turn: pos·world batches of it are trained. A
+            # step is a round of this world's batches: the step count and the schedule follow.
             run.pos = run.pos * state["world"] // rt.world
+            run.step = sum(len(plan) for plan in run.plans[:run.epoch]) + run.pos
+            run.scheduler.last_epoch = run.step
             if rt.main:
-                log.warning("resuming a %d-process run with %d processes: the rest of epoch %d "
-                            "is approximated", state["world"], rt.world, run.epoch)
+                log.warning("resuming a %d-process run with %d processes: epoch %d goes on "
+                            "from batch %d of its order, as step %d", state["world"], rt.world,
+                            run.epoch, run.pos * rt.world, run.step)
         restore_rng(rt, state["rng"])
         if rt.main:
             log.info("resuming at step %d of %d", run.step, run.total)
@@ -323,16 +360,24 @@ def save_checkpoint(run: Run) -> None:
         dist.barrier()
 
 
+def upcoming(run: Run) -> Iterator[data.Planned]:
+    """This rank's batches from where the run stands to its last step."""
+    start = sum(len(plan) for plan in run.plans[:run.epoch]) + run.pos
+    return itertools.islice(itertools.chain.from_iterable(run.plans), start,
+                            start + run.total - run.step)
+
+
 def train_loop(run: Run) -> bool:
     """Step until the last step or an agreed SIGTERM (checkpointed); True when stopped early."""
     cfg, rt = run.cfg, run.rt
     stop = Stop()
     started, started_step, last_log = time.monotonic(), run.step, 0.0
     metrics = open(layout.metrics_file(run.dir), "a") if rt.main else None
+    loader = data.batches(run.paths, upcoming(run), rt.device)
     try:
         while run.step < run.total:
             tick = time.monotonic()
-            batch = data.load_batch(run.paths, run.plans[run.epoch][run.pos], rt.device)
+            batch = next(loader)
             _, per_step, correct, counted = train_step(run.ddp, run.optimizer, batch,
                                                        run.teacher_head, cfg.train.ttt_steps,
                                                        cfg.train.grad_clip)
@@ -375,6 +420,7 @@ def train_loop(run: Run) -> bool:
                     log.info("stopped by SIGTERM at step %d, checkpoint saved", run.step)
                 return True
     finally:
+        loader.close()
         if metrics is not None:
             metrics.close()
     return False

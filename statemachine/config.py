@@ -138,7 +138,10 @@ class VerifyConfig(NamedTuple):
 
 
 class TrainConfig(NamedTuple):
-    nproc: int = 1
+    nproc: int = 1  # per node
+    nnodes: int = 1
+    node_rank: int = 0  # node 0 runs the daemon; nodes 1.. run `eagle3d train-node`
+    rendezvous: str = ""  # node 0's HOST:PORT, where torchrun's nodes meet; nnodes > 1 only
     device: str = "auto"
     draft_vocab: int = 32000
     ttt_steps: int = 7
@@ -247,7 +250,17 @@ def reload_problem(old: Config, new: Config) -> str | None:
                 "[paths] dataset_dir and state_dir at new folders for a new dataset")
     if new.target.engine != old.target.engine:
         return "[target] engine changed: restart the daemon to switch engines"
-    return None
+    return daemon_problem(new)
+
+
+def daemon_problem(cfg: Config) -> str | None:
+    """Why the daemon must not run with this config, or None: only node 0 runs the pipeline
+    (it owns the ledger and the train stage); the other nodes of a multi-node training only
+    lend their GPUs to it."""
+    if cfg.train.node_rank == 0:
+        return None
+    return (f"{cfg.path}: [train] node_rank = {cfg.train.node_rank}: the daemon runs on node 0 "
+            f"only; on this node run `eagle3d train-node -c {cfg.path}`")
 
 
 # ---- validation -------------------------------------------------------------------------------
@@ -322,6 +335,29 @@ def _str_list(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TypeError(f"expected a list of strings, got {value!r}")
     return tuple(value)
+
+
+def _rendezvous(value: Any) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"expected a string such as \"10.0.0.1:29400\", got {value!r}")
+    host, _, port = value.rpartition(":")
+    if value and not (host.strip("[]") and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"expected node 0's HOST:PORT, such as \"10.0.0.1:29400\", "
+                         f"got {value!r}")
+    return value
+
+
+def _check_nodes(chk: _Checker, train: TrainConfig) -> None:
+    if train.node_rank >= train.nnodes:
+        raise chk.fail("train.node_rank", f"must be below [train] nnodes ({train.nnodes}), "
+                       f"got {train.node_rank}")
+    if train.nnodes > 1 and not train.rendezvous:
+        raise chk.fail("train.rendezvous", f"is required with [train] nnodes = {train.nnodes}: "
+                       "node 0's address and a free port that every node reaches, such as "
+                       "\"10.0.0.1:29400\"")
+    if train.nnodes == 1 and train.rendezvous:
+        raise chk.fail("train.rendezvous", "is for a training over several nodes; with "
+                       "[train] nnodes = 1 the node trains alone: remove it")
 
 
 _POS_INT = _typed(int, minimum=1)
@@ -409,12 +445,15 @@ def parse_config(raw: dict, path: Path) -> Config:
 
     train = chk.build(TrainConfig, "train", chk.section(raw, "train"), {
         "nproc": _typed(int, minimum=1, maximum=1024),
+        "nnodes": _typed(int, minimum=1, maximum=1024), "node_rank": _NONNEG_INT,
+        "rendezvous": _rendezvous,
         "device": _typed(str, choices=("auto", "cpu", "cuda")), "draft_vocab": _POS_INT,
         "ttt_steps": _typed(int, minimum=1, maximum=32), "epochs": _POS_FLOAT,
         "max_steps": _NONNEG_INT, "batch_tokens": _POS_INT, "lr": _POS_FLOAT,
         "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
         "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,
         "max_restarts": _NONNEG_INT, "seed": _NONNEG_INT, "threads": _NONNEG_INT})
+    _check_nodes(chk, train)
 
     ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
         "source": _STR, "first": _NONNEG_INT, "limit": _POS_INT,

@@ -12,6 +12,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from eagle3d.statemachine.config import resolve_location
 
@@ -38,69 +39,93 @@ def tokenize_conversation(tokenizer, messages) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
+def planned_sample(index: int, ids: list[int], mask: list[int], aux, last,
+                   dump_dtype: str = "bfloat16") -> tuple[Any, dict]:
+    """A ledger row and its dump for one sample: token ids, loss mask, the captured states
+    [T, 3H] and the final state [T, H] (torch tensors, stored as `dump_dtype`)."""
+    import torch
+    from eagle3d.dataset import dumpformat, precision
+    from eagle3d.statemachine.ledger import PlannedSample
+    ids_bytes = torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
+    sid = hashlib.blake2b(ids_bytes, digest_size=16).hexdigest()
+    planned = PlannedSample(sid, index, len(ids), sum(mask), dumpformat.ids_hash(ids_bytes),
+                            ids_bytes, bytes(mask))
+    states = precision.encode_states(aux, last, dump_dtype)
+    dump = {"input_ids": ("I32", (len(ids),), ids_bytes),
+            "loss_mask": ("U8", (len(ids),), bytes(mask)),
+            **{name: precision.dump_entry(t) for name, t in states.items()}}
+    return planned, dump
+
+
+def record_dataset(root: Path, contract: dict, samples: list[tuple[Any, dict]]) -> None:
+    """`root/dataset` (the contract, the dumps, the manifest) and `root/state` (a ledger where
+    every sample is verified): a dataset exactly as the pipeline leaves it before training."""
+    from eagle3d.dataset import contract as contract_mod
+    from eagle3d.dataset import dumpformat
+    from eagle3d.statemachine import manifest
+    from eagle3d.statemachine.ledger import Ledger
+
+    dataset_dir, state_dir = root / "dataset", root / "state"
+    shard = dataset_dir / "shard-0000"
+    shard.mkdir(parents=True)
+    contract = contract_mod.write(dataset_dir, contract)
+    ledger = Ledger(state_dir / "ledger.sqlite")
+    ledger.add_planned([planned for planned, _ in samples], [], {})
+    ledger.claim(len(samples), 1 << 40)
+    for planned, dump in samples:
+        path = dumpformat.write_dump(shard, planned.id, contract["fingerprint"], dump)
+        checksum = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
+        ledger.mark_extracted(planned.id, str(path.relative_to(dataset_dir)),
+                              path.stat().st_size, checksum)
+        ledger.mark_verified(planned.id, "fixture")
+    manifest.write(dataset_dir, manifest.build(ledger, contract))
+    ledger.close()
+
+
+def contract_for(target: str, model_path: Path, cfg: Any, engine: str,
+                 dump_dtype: str = "bfloat16") -> dict:
+    """The capture contract of a dataset of `cfg`'s target (an HF config), with the target's
+    real weights fingerprint: the trainer and the evaluation refuse any other."""
+    from eagle3d.dataset import contract as contract_mod
+    from eagle3d.dataset import dumpformat
+    from eagle3d.target import loading
+    return {"format": dumpformat.FORMAT, "target": target,
+            "target_fingerprint": loading.fingerprint_file_or_folder(model_path),
+            "tokenizer_fingerprint": "fixture", "chat_template_fingerprint": "fixture",
+            "layer_ids": LAYER_IDS, "layer_convention": contract_mod.LAYER_CONVENTION,
+            "final_state": contract_mod.FINAL_STATE, "dtype": "bfloat16",
+            "dump_dtype": dump_dtype,
+            "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
+            "vocab_size": cfg.vocab_size, "architecture": "LlamaForCausalLM", "engine": engine}
+
+
 def build_dataset(root: Path, n: int, first: int, max_tokens: int, dump_dtype: str) -> None:
     import torch
-    from eagle3d.dataset import contract as contract_mod
-    from eagle3d.dataset import dumpformat, precision
     from eagle3d.target import loading
     from eagle3d.dataset.conversations import iter_conversations
-    from eagle3d.statemachine import manifest
-    from eagle3d.statemachine.ledger import Ledger, PlannedSample
 
     model_path = resolve_location(MODEL, Path("."))
     tokenizer = loading.load_tokenizer(model_path)
     # float32: GGUF kernels compute in float32 anyway; the dumps store `dump_dtype`.
     model = loading.load_model(model_path, "float32", "cpu")
-    cfg = model.config
-    dataset_dir, state_dir = root / "dataset", root / "state"
-    shard = dataset_dir / "shard-0000"
-    shard.mkdir(parents=True)
-    # The real weights fingerprint: the trainer and the evaluation refuse any other.
-    contract = {"format": dumpformat.FORMAT, "target": MODEL,
-                "target_fingerprint": loading.fingerprint_file_or_folder(model_path),
-                "tokenizer_fingerprint": "fixture", "chat_template_fingerprint": "fixture",
-                "layer_ids": LAYER_IDS, "layer_convention": contract_mod.LAYER_CONVENTION,
-                "final_state": contract_mod.FINAL_STATE, "dtype": "bfloat16",
-                "dump_dtype": dump_dtype,
-                "hidden_size": cfg.hidden_size, "num_layers": cfg.num_hidden_layers,
-                "vocab_size": cfg.vocab_size, "architecture": "LlamaForCausalLM",
-                "engine": "transformers"}
-    contract = contract_mod.write(dataset_dir, contract)
-    planned, dumps = [], {}
+    samples = []
     source = resolve_location(SOURCE, Path("."))
     for conv in iter_conversations(source, "sharegpt", first, None):
-        if len(planned) == n:
+        if len(samples) == n:
             break
         if conv.messages is None or conv.messages[0]["role"] == "assistant":
             continue
         ids, mask = tokenize_conversation(tokenizer, conv.messages)
         if len(ids) > max_tokens or sum(mask) < 8:
             continue
-        ids_bytes = torch.tensor(ids, dtype=torch.int32).numpy().tobytes()
-        sid = hashlib.blake2b(ids_bytes, digest_size=16).hexdigest()
-        planned.append(PlannedSample(sid, conv.idx, len(ids), sum(mask),
-                                     dumpformat.ids_hash(ids_bytes), ids_bytes, bytes(mask)))
         with torch.no_grad():
             out = model(torch.tensor([ids]), output_hidden_states=True)
         hs = out.hidden_states
         aux = torch.cat([hs[i][0] for i in LAYER_IDS], dim=-1)
-        last = hs[-1][0]  # Llama's last entry is after the final norm
-        states = precision.encode_states(aux, last, dump_dtype)
-        dumps[sid] = {
-            "input_ids": ("I32", (len(ids),), ids_bytes),
-            "loss_mask": ("U8", (len(ids),), bytes(mask)),
-            **{name: precision.dump_entry(t) for name, t in states.items()}}
-    ledger = Ledger(state_dir / "ledger.sqlite")
-    ledger.add_planned(planned, [], {})
-    ledger.claim(len(planned), 1 << 40)
-    for s in planned:
-        path = dumpformat.write_dump(shard, s.id, contract["fingerprint"], dumps[s.id])
-        checksum = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
-        ledger.mark_extracted(s.id, str(path.relative_to(dataset_dir)), path.stat().st_size,
-                              checksum)
-        ledger.mark_verified(s.id, "fixture")
-    manifest.write(dataset_dir, manifest.build(ledger, contract))
-    ledger.close()
+        # Llama's last entry is after the final norm.
+        samples.append(planned_sample(conv.idx, ids, mask, aux, hs[-1][0], dump_dtype))
+    record_dataset(root, contract_for(MODEL, model_path, model.config, "transformers",
+                                      dump_dtype), samples)
 
 
 def cached_dataset(n: int, first: int = 0, max_tokens: int = 512,

@@ -32,6 +32,15 @@ BAD = [
     ("inflight below max_tokens", {"extract": {"max_inflight_tokens": 100}},
      "[extract.max_inflight_tokens] must be at least [data] max_tokens"),
     ("path under a file", {"paths": {"state_dir": "/etc/hostname/state"}}, "[paths.state_dir]"),
+    ("nodes without a rendezvous", {"train": {"nnodes": 2}},
+     "[train.rendezvous] is required with [train] nnodes = 2"),
+    ("node rank out of range", {"train": {"nnodes": 2, "node_rank": 2,
+                                          "rendezvous": "10.0.0.1:29400"}},
+     "[train.node_rank] must be below [train] nnodes (2), got 2"),
+    ("rendezvous without a port", {"train": {"nnodes": 2, "rendezvous": "10.0.0.1"}},
+     "[train.rendezvous] expected node 0's HOST:PORT"),
+    ("rendezvous on one node", {"train": {"rendezvous": "10.0.0.1:29400"}},
+     "[train.rendezvous] is for a training over several nodes"),
 ]
 
 

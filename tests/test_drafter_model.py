@@ -47,6 +47,20 @@ def test_shapes_and_loss_counts_only_masked_positions():
     assert "embed_tokens" not in model.state_dict()
 
 
+def test_a_batch_with_nothing_to_learn_gives_every_weight_a_zero_gradient():
+    """A rank's filler batch (drafter/data.py): DDP needs a gradient for every weight from every
+    rank, and the filler's must add nothing."""
+    model = tiny_model()
+    ids, aux = torch.randint(0, 50, (1, 12)), torch.randn(1, 12, 72)
+    nothing = torch.zeros(1, 12, dtype=torch.bool)
+    loss, _, correct, counted = model(ids, aux, teacher(torch.randn(1, 12, 16), nothing,
+                                                        torch.randn(20, 16), 3), 3)
+    loss.backward()
+    assert loss.item() == 0.0 and counted.tolist() == correct.tolist() == [0, 0, 0]
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None and not g.any() for g in grads)
+
+
 def test_training_time_test_sees_what_chain_drafting_sees():
     """Step k at index t of the unrolled training must equal drafting k tokens after index t
     from the prefix alone: same masks, same positions, nothing from the future."""

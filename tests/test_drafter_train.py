@@ -144,6 +144,125 @@ def test_an_fp8_dataset_trains_like_its_bf16_twin(tmp_path, data_root):
     assert runs["fp8"][-1]["loss"] < runs["fp8"][0]["loss"]
 
 
+def free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def node_config(where: Path, data_root: Path, settings: dict, node: int, port: int) -> Path:
+    where.mkdir()
+    return write_config(where, data_root, {**settings, "nproc": 1, "nnodes": 2,
+                                           "node_rank": node, "rendezvous": f"127.0.0.1:{port}"})
+
+
+def trainer_rank(train_node: subprocess.Popen):
+    """The trainer process that `eagle3d train-node` runs under torchrun, once it runs."""
+    import psutil
+    for p in psutil.Process(train_node.pid).children(recursive=True):
+        cmd = p.cmdline()
+        if "eagle3d.drafter.train" in cmd and "torch.distributed.run" not in cmd:
+            return p
+    return None
+
+
+def final_weights(train_dir: Path) -> dict:
+    import torch
+    last = sorted((train_dir / "checkpoints").iterdir())[-1]
+    return torch.load(last / "state.pt", weights_only=False)["model"]
+
+
+@pytest.mark.slow
+def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, data_root):
+    """Two torchrun agents on this machine as two nodes (static rendezvous on localhost, one
+    gloo process each): node 0 started as the daemon starts it, node 1 by `eagle3d train-node`.
+    They train exactly what one node with two processes trains (the same data shards, losses
+    and weights); node 1's trainer is killed after a checkpoint, node 0 is restarted as the
+    daemon restarts it, train-node rejoins by itself, and the job resumes from the checkpoint.
+    Only node 0 writes: node 1's train folder stays empty."""
+    import torch
+    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.statemachine.config import load_config
+    steps = 5
+    settings = {**SMALL, "batch_tokens": 512, "max_steps": steps, "checkpoint_every": 2}
+    (tmp_path / "one").mkdir()
+    one = write_config(tmp_path / "one", data_root, {**settings, "nproc": 2})
+    run = subprocess.run(trainer_argv(load_config(one), one), capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+
+    port = free_port()
+    node0 = node_config(tmp_path / "node0", data_root, settings, 0, port)
+    node1 = node_config(tmp_path / "node1", data_root, settings, 1, port)
+    follower_log = tmp_path / "node1" / "train-node.log"
+    with open(follower_log, "w") as log:
+        follower = subprocess.Popen([PY, "-m", "eagle3d.daemon.main", "train-node", "-c",
+                                     str(node1)], stderr=log)
+    train = tmp_path / "node0" / "train"
+    leader_argv = trainer_argv(load_config(node0), node0)
+    try:
+        first = subprocess.Popen(leader_argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                 text=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:  # past the step-2 checkpoint, before the end
+            if (train / "metrics.jsonl").exists() and len(metrics(train)) >= 3:
+                break
+            time.sleep(0.1)
+        trainer_rank(follower).kill()
+        _, err = first.communicate(timeout=120)
+        assert first.returncode != 0, "node 0 finished although node 1 was killed"
+        assert "node 0 of 2: ranks 0 to 0 of 2" in err
+        assert len(metrics(train)) < steps, "the run ended before node 1 could be killed"
+        again = subprocess.run(leader_argv, capture_output=True, text=True, timeout=600)
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resuming at step" in again.stderr
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # its trainer ends a moment after node 0's
+            if "this node's trainer exited with code 0" in follower_log.read_text():
+                break
+            time.sleep(0.1)
+    finally:
+        follower.send_signal(signal.SIGTERM)
+        follower.wait(timeout=120)
+    follower_err = follower_log.read_text()
+    assert follower.returncode == 0, follower_err[-3000:]
+    assert "node 1 of 2: ranks 1 to 1 of 2" in follower_err
+    assert "this node's trainer exited with code 0" in follower_err, follower_err[-3000:]
+    assert not (tmp_path / "node1" / "train").exists()
+
+    want, got = metrics(tmp_path / "one" / "train"), metrics(train)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for a, b in zip(want, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4), (a["step"], a["loss"], b["loss"])
+    reference, trained = final_weights(tmp_path / "one" / "train"), final_weights(train)
+    assert reference.keys() == trained.keys()
+    for name in reference:
+        torch.testing.assert_close(trained[name], reference[name], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_resume_with_another_process_count_goes_on_where_the_epoch_stood(tmp_path, data_root):
+    """A node lost for good: the training goes on with fewer processes from the checkpoint.
+    Two processes trained 2 steps (4 batches of the epoch's order); one process goes on from
+    the epoch's 5th batch, as its step 4, and ends the epoch."""
+    from eagle3d.drafter import data
+    from eagle3d.statemachine import manifest as manifest_mod
+    settings = {**SMALL, "checkpoint_every": 2}
+    two = write_config(tmp_path, data_root, {**settings, "nproc": 2, "max_steps": 2})
+    run = subprocess.run(train_cmd(two, 2), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    one = write_config(tmp_path, data_root, {**settings, "nproc": 1})
+    run = subprocess.run(train_cmd(one, 1), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert ("resuming a 2-process run with 1 processes: epoch 0 goes on from batch 4 of its "
+            "order, as step 4") in run.stderr
+    lengths = [s["tokens"] for s in manifest_mod.read(data_root / "dataset")["samples"]]
+    total = len(data.plan_epoch(lengths, SMALL["batch_tokens"], 0, 0, 1)[0])
+    steps = [r["step"] for r in metrics(tmp_path / "train")]
+    assert steps == [1, 2, *range(5, total + 1)]
+
+
 def test_refuses_a_dataset_that_does_not_match_the_ledger(tmp_path, data_root):
     from eagle3d.statemachine.ledger import Ledger
     other = tmp_path / "other"

@@ -42,7 +42,7 @@ def step_until_idle(stage: TrainStage) -> None:
 
 def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
     stage, cfg, monkeypatch = stage
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg: exits_with(1))
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
     step_until_idle(stage)
     assert stage.restarts == 1 and stage.failure is None and stage.retry_at > time.time()
     stage.retry_at = 0  # the backoff, elapsed
@@ -54,7 +54,7 @@ def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
 def test_a_target_that_is_not_the_datasets_fails_at_once(stage):
     stage, cfg, monkeypatch = stage
     monkeypatch.setattr(train_stage, "trainer_argv",
-                        lambda cfg: exits_with(entry.CONTRACT_MISMATCH))
+                        lambda cfg, path: exits_with(entry.CONTRACT_MISMATCH))
     step_until_idle(stage)
     assert stage.restarts == 1 and "not the dataset's model" in stage.failure
 
@@ -75,3 +75,52 @@ def test_a_finished_training_is_evaluated_and_marked_done(stage):
     assert stage.status()["acceptance_length"] == 1.7
     assert [kind for _, kind, _ in stage.ledger.events_of(("eval_not_greedy", "drafter_done"))] \
         == ["eval_not_greedy", "drafter_done"]
+
+
+def test_the_trainer_command_of_one_node_and_of_several(config_factory):
+    one = load_config(config_factory({"train": {"nproc": 8}}))
+    argv = train_stage.trainer_argv(one, layout.config_in_force(one.paths.state_dir))
+    assert argv[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
+                        "-m", "eagle3d.drafter.train", "-c",
+                        str(one.paths.state_dir / "config.toml")]
+    node = load_config(config_factory({"train": {"nproc": 8, "nnodes": 4, "node_rank": 3,
+                                                 "rendezvous": "[fd00::1]:29400"}}, "n3.toml"))
+    argv = train_stage.trainer_argv(node, node.path)
+    # Static rendezvous: node k's processes are ranks 8k .. 8k+7, so rank 0 is on node 0.
+    assert argv[3:8] == ["--nnodes=4", "--node_rank=3", "--rdzv_backend=static",
+                         "--rdzv_endpoint=[fd00::1]:29400", "--nproc_per_node=8"]
+    assert argv[-2:] == ["-c", str(node.path)]
+
+
+def test_only_node_0_runs_the_daemon(config_factory):
+    from eagle3d.daemon.reconcile import Daemon
+    from eagle3d.statemachine.config import ConfigError, reload_problem
+    zero = load_config(config_factory({"train": {"nnodes": 2, "rendezvous": "10.0.0.1:29400"}}))
+    one = load_config(config_factory({"train": {"nnodes": 2, "node_rank": 1,
+                                                "rendezvous": "10.0.0.1:29400"}}, "n1.toml"))
+    with pytest.raises(ConfigError, match=r"node_rank = 1: the daemon runs on node 0 only; on "
+                                          r"this node run `eagle3d train-node -c .*n1.toml`"):
+        Daemon(one)
+    assert not one.paths.state_dir.exists()  # refused before it touched anything
+    assert "train-node" in reload_problem(zero, zero._replace(train=one.train))
+
+
+def test_a_multi_node_failure_points_at_the_other_nodes(config_factory, monkeypatch):
+    cfg = load_config(config_factory({"train": {"nnodes": 2, "rendezvous": "127.0.0.1:29400",
+                                                "max_restarts": 0}}))
+    cfg.paths.state_dir.mkdir(parents=True)
+    ledger = Ledger(layout.ledger(cfg.paths.state_dir))
+    stage = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: FINGERPRINT)
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    try:
+        step_until_idle(stage)
+        assert "is `eagle3d train-node` running on every other node?" in stage.failure
+    finally:
+        ledger.close()
+
+
+def test_train_node_is_for_the_other_nodes_only(config_factory, caplog):
+    from eagle3d.daemon import train_node
+    zero = config_factory({"train": {"nnodes": 2, "rendezvous": "127.0.0.1:29400"}})
+    assert train_node.run(str(zero)) == entry.REFUSED
+    assert "node_rank = 0 is the daemon's node" in caplog.text
