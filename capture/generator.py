@@ -84,8 +84,8 @@ class Writer:
                 self.new_tokens += len(answer)
                 text = self.tokenizer.decode(answer, skip_special_tokens=True)
                 convs[i].append({"role": "assistant", "content": text.strip()})
-                if len(answer) == room:  # cut by max_tokens: this conversation ends here
-                    left[i] = []
+                if len(answer) == room < self.settings.max_new_tokens:
+                    left[i] = []  # cut by [data] max_tokens: this conversation ends here
             turn += 1
 
     def _next_prompt(self, conv: list[dict], left: list[dict]) -> list[int] | None:
