@@ -126,7 +126,7 @@ def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     samples = [[(7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     too_long = list(range(CONTEXT_LENGTH + 1))
     writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples + [too_long])))
-    fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True))
+    fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16"))
     server = serve(fake)
     client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4)
     try:
@@ -171,7 +171,7 @@ def test_a_spot_check_gets_its_dumps_where_it_asked_not_in_the_spool(tmp_path, s
     plugin writes only under the spool, out of the ingest's sight, and the engine moves them."""
     samples = [[5, 6, 7, 8], [9, 10, 11]]
     writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples)))
-    fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True))
+    fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16"))
     server = serve(fake)
     client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", max_concurrency=2)
     wanted = tmp_path / "spot-check"

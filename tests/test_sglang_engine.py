@@ -48,7 +48,8 @@ def engine(tmp_path: Path) -> SGLangEngine:
                   "train_dir": "train"},
         "sglang": {"python": str(python), "port": free_port(), "startup_timeout_s": 60.0}},
         tmp_path / "eagle3d.toml")
-    return SGLangEngine(cfg, tmp_path / "pids", {"fingerprint": CONTRACT, "layer_ids": LAYERS})
+    return SGLangEngine(cfg, tmp_path / "pids", {"fingerprint": CONTRACT, "layer_ids": LAYERS,
+                                                 "dump_dtype": "bfloat16"})
 
 
 def wait(eng: SGLangEngine, seconds: float) -> list[dict]:

@@ -56,7 +56,7 @@ def test_plugin_dumps_are_ingested_by_the_daemon(config_factory, tmp_path):
             requests.append((s.id, ids.tolist()))
         writer = DumpWriter(cfg.paths.spool_dir, contract["fingerprint"],
                             ledger_loss_masks(cfg.paths.state_dir / "ledger.sqlite"))
-        capture = Capture(writer, num_layers=3, radix_cache_off=True)
+        capture = Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16")
         hidden = contract["hidden_size"]
         assert capture.on_forward(**extend_batch(requests[:4], hidden)) == 4
         decode = extend_batch(requests[4:], hidden)
