@@ -25,6 +25,15 @@ def train_cmd(config: Path, nproc: int = 1) -> list[str]:
 def metrics(train_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
 
+def wait_for_steps(train: Path, steps: int, seconds: float) -> None:
+    """Until the trainer in `train` has logged `steps` steps, or `seconds` have passed."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if (train / "metrics.jsonl").exists() and len(metrics(train)) >= steps:
+            return
+        time.sleep(0.1)
+
+
 
 def kill_tree(proc: subprocess.Popen, sig: int, wait: bool = True) -> None:
     """Signal torchrun and its workers (which run in their own process groups)."""
@@ -83,11 +92,7 @@ def test_kill_9_and_resume_follows_the_uninterrupted_trajectory(tmp_path, data_r
     train = tmp_path / "cut" / "train"
     proc = subprocess.Popen(train_cmd(cut), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:  # past the step-3 checkpoint, before the end
-        if (train / "metrics.jsonl").exists() and len(metrics(train)) >= 5:
-            break
-        time.sleep(0.2)
+    wait_for_steps(train, 5, 600)  # past the step-3 checkpoint, before the end
     kill_tree(proc, signal.SIGKILL)
     assert len(metrics(train)) < 7, "the run ended before it could be killed"
     resumed = subprocess.run(train_cmd(cut), capture_output=True, text=True, timeout=600)
@@ -204,11 +209,7 @@ def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, dat
     try:
         first = subprocess.Popen(leader_argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  text=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:  # past the step-2 checkpoint, before the end
-            if (train / "metrics.jsonl").exists() and len(metrics(train)) >= 3:
-                break
-            time.sleep(0.1)
+        wait_for_steps(train, 3, 300)  # past the step-2 checkpoint, before the end
         trainer_rank(follower).kill()
         _, err = first.communicate(timeout=120)
         assert first.returncode != 0, "node 0 finished although node 1 was killed"
