@@ -3,7 +3,7 @@ decoding: the drafter proposes k tokens, the target checks them in one forward, 
 prefix and the target's own next token are kept.
 
 `python -m eagle3d.drafter.evaluate -c CONFIG [--drafter DIR] [--source S --first N --limit M]
-[--steps K] [--max-new-tokens T] [--json] [--out FILE]`
+[--steps K] [--max-new-tokens T] [--batch-size B] [--json] [--out FILE]`
 
 The acceptance length is the mean number of tokens each verifying target forward produces (the
 prefill, which every decoder pays, is not counted). Every output must be the target's greedy
@@ -104,52 +104,83 @@ def is_greedy(target: Any, prompt: list[int], tokens: list[int], max_new: int,
     return greedy(target, prompt, max_new, eos) == tokens, True
 
 
+def _padded(rows: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of different lengths as one right-padded [B, T] tensor and its [B, T] mask."""
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.tensor(r, dtype=torch.long)
+        mask[i, :len(r)] = True
+    return ids.to(device), mask.to(device)
+
+
 @torch.inference_mode()
 def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab: DraftVocab,
-                prompt: list[int], k: int, max_new: int, eos: set[int]) -> Decoded:
-    """Greedy chain speculative decoding of one prompt (batch of one)."""
+                prompts: list[list[int]], k: int, max_new: int, eos: set[int]) -> list[Decoded]:
+    """Greedy chain speculative decoding of several prompts at once, each row exactly as it
+    would be alone. The rows share slots in the target's and the drafter's key/value caches but
+    not positions: every forward appends the same number of slots to every row, and a slot a
+    row does not use (padding, its rejected drafts) is masked out for that row's later queries,
+    so a row never sees another row's length."""
     from transformers import DynamicCache
     dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-    draft_to_target = vocab.target_ids.tolist()
+    B, rows = len(prompts), torch.arange(len(prompts), device=dev)
+    draft_to_target = vocab.target_ids.to(dev)
 
-    def tensor(rows: list[list[int]]) -> torch.Tensor:
-        return torch.tensor(rows, device=dev)
-
+    ids, held = _padded(prompts, dev)  # held: the target's cache slots each row uses
+    positions = (held.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache()
-    logits = target(input_ids=tensor([prompt]), past_key_values=cache, use_cache=True).logits
-    seq = list(prompt) + [int(logits[0, -1].argmax())]
-    pending, start = capture.take(), 0  # target features not yet fed to the drafter
+    logits = target(input_ids=ids, attention_mask=held.long(), position_ids=positions,
+                    past_key_values=cache, use_cache=True).logits
+    newest = logits[rows, held.sum(1) - 1].argmax(-1)  # [B]: each row's token not yet cached
+    results = [Decoded(tokens=[int(t)]) for t in newest.tolist()]
+    active = [max_new > 1 and r.tokens[0] not in eos for r in results]
+    # The drafter reads, at position i, the target's feature of i and the token i + 1.
+    pending, pending_held = capture.take(), held  # target features not yet fed to the drafter
+    pending_ids = torch.cat([ids[:, 1:], ids[:, :1]], 1)
+    pending_ids[rows, held.sum(1) - 1] = newest
+    pending_pos = positions
+    at = held.sum(1)  # the position of each row's newest token
     context: KV | None = None
-    result = Decoded(tokens=[seq[-1]])
-    while len(result.tokens) < max_new and seq[-1] not in eos:
-        n = len(seq) - 1  # seq[n] is the target's newest token, not yet in its cache
-        # The drafter reads, at index i, the target's feature of i and the token i + 1.
-        out, kv = drafter.step(tensor([seq[start + 1:n + 1]]), drafter.fc(pending.to(dtype)),
-                               tensor([list(range(start, n))]), context, None)
+    context_held = torch.zeros(B, 0, dtype=torch.bool, device=dev)
+    while any(active):
+        context_held = torch.cat([context_held, pending_held], 1)
+        out, kv = drafter.step(pending_ids, drafter.fc(pending.to(dtype)), pending_pos, context,
+                               None, context_held)
         context = kv if context is None else (torch.cat([context[0], kv[0]], 2),
                                               torch.cat([context[1], kv[1]], 2))
-        feature, drafts, chain = out[:, -1:], [], []
+        feature = out[rows, pending_held.sum(1) - 1][:, None]  # each row's last real position
+        drafts: list[KV] = []
+        chain = []
         for j in range(k):
-            chain.append(draft_to_target[int(drafter.logits(feature)[0, -1].argmax())])
+            chain.append(draft_to_target[drafter.logits(feature)[:, -1].argmax(-1)])
             if j + 1 < k:
-                feature, kv = drafter.step(tensor([[chain[-1]]]), feature, tensor([[n + j]]),
-                                           context, drafts)
+                feature, kv = drafter.step(chain[-1][:, None], feature, (at + j)[:, None],
+                                           context, drafts, context_held)
                 drafts.append(kv)
-        logits = target(input_ids=tensor([[seq[n], *chain]]), past_key_values=cache,
-                        use_cache=True).logits
-        checked = logits[0].argmax(-1).tolist()
-        accepted = 0
-        while accepted < k and chain[accepted] == checked[accepted]:
-            accepted += 1
-        new = chain[:accepted] + [checked[accepted]]
-        if accepted < k:  # the rejected drafts leave the target's cache
-            cache.crop(accepted - k)
-        pending, start = capture.take()[:, :accepted + 1], n
-        seq += new
-        result.tokens += new
-        result.accepted.append(accepted)
-    result.tokens = _finish(result.tokens, max_new, eos)
-    return result
+        proposal = torch.stack([newest, *chain], 1)  # [B, k + 1]
+        step_pos = at[:, None] + torch.arange(k + 1, device=dev)
+        held = torch.cat([held, torch.ones(B, k + 1, dtype=torch.bool, device=dev)], 1)
+        checked = target(input_ids=proposal, attention_mask=held.long(), position_ids=step_pos,
+                         past_key_values=cache, use_cache=True).logits.argmax(-1)  # [B, k + 1]
+        hits = (proposal[:, 1:] == checked[:, :k]).long().cumprod(1).sum(1)  # drafts accepted
+        kept = torch.arange(k + 1, device=dev)[None, :] <= hits[:, None]
+        held[:, -(k + 1):] = kept  # the rejected drafts leave every row's view of the cache
+        newest = checked[rows, hits]
+        pending, pending_held, pending_pos = capture.take(), kept, step_pos
+        pending_ids = torch.cat([proposal[:, 1:], proposal[:, :1]], 1)
+        pending_ids[rows, hits] = newest
+        at = at + hits + 1
+        for i, (accepted, row) in enumerate(zip(hits.tolist(), pending_ids.tolist())):
+            if active[i]:
+                new = row[:accepted + 1]
+                results[i].tokens += new
+                results[i].accepted.append(accepted)
+                active[i] = len(results[i].tokens) < max_new and not eos.intersection(new)
+    for r in results:
+        r.tokens = _finish(r.tokens, max_new, eos)
+    return results
 
 
 class Prompts(NamedTuple):
@@ -205,22 +236,27 @@ def confidence_interval(per_prompt: list[tuple[int, int]], seed: int = 0,
 
 
 def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: list[int],
-             prompts: list[list[int]], steps: int, max_new_tokens: int,
-             eos: set[int]) -> dict[str, Any]:
+             prompts: list[list[int]], steps: int, max_new_tokens: int, eos: set[int],
+             batch_size: int) -> dict[str, Any]:
     started = time.monotonic()
     capture = AuxCapture(target, layer_ids)
     rounds: list[int] = []
     per_prompt: list[tuple[int, int]] = []  # (tokens from verifying forwards, forwards)
     identical, new_tokens, plain_decodes = True, 0, 0
+    # Prompts of like length share a batch: a batch pads every row to its longest prompt.
+    ordered = sorted(prompts, key=len)
     try:
-        for prompt in prompts:
-            spec = speculative(target, capture, drafter, vocab, prompt, steps, max_new_tokens, eos)
-            same, decoded = is_greedy(target, prompt, spec.tokens, max_new_tokens, eos)
-            identical &= same
-            plain_decodes += decoded
-            rounds += spec.accepted
-            per_prompt.append((sum(spec.accepted) + len(spec.accepted), len(spec.accepted)))
-            new_tokens += len(spec.tokens)
+        for first in range(0, len(ordered), batch_size):
+            batch = ordered[first:first + batch_size]
+            decoded = speculative(target, capture, drafter, vocab, batch, steps, max_new_tokens,
+                                  eos)
+            for prompt, spec in zip(batch, decoded):
+                same, plain = is_greedy(target, prompt, spec.tokens, max_new_tokens, eos)
+                identical &= same
+                plain_decodes += plain
+                rounds += spec.accepted
+                per_prompt.append((sum(spec.accepted) + len(spec.accepted), len(spec.accepted)))
+                new_tokens += len(spec.tokens)
     finally:
         capture.close()
     forwards = len(rounds)
@@ -230,7 +266,7 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
                                         for j in range(steps)],
             "prompts": len(prompts), "new_tokens": new_tokens, "target_forwards": forwards,
             "identical_to_greedy": identical, "plain_decodes": plain_decodes,
-            "seconds": time.monotonic() - started}
+            "batch_size": batch_size, "seconds": time.monotonic() - started}
 
 
 def _reasons(skipped: dict[str, int]) -> str:
@@ -244,6 +280,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int)
     p.add_argument("--steps", type=int, help="draft tokens per target forward")
     p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--batch-size", type=int, help="prompts decoded together")
     p.add_argument("--json", action="store_true", help="print JSON instead of a summary")
     p.add_argument("--out", type=Path, help="also write the JSON to this file, atomically")
 
@@ -284,7 +321,8 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         raise Refusal(f"no usable prompt among the {prompts.asked} conversations read "
                       f"({_reasons(prompts.skipped)})")
     eos = stop_tokens(tokenizer, target)
-    report = evaluate(target, drafter, vocab, layer_ids, prompts.ids, steps, max_new, eos)
+    report = evaluate(target, drafter, vocab, layer_ids, prompts.ids, steps, max_new, eos,
+                      args.batch_size or cfg.eval.batch_size)
     report.update(drafter=str(drafter_dir), prompts_asked=prompts.asked,
                   prompts_skipped=prompts.skipped)
     if args.out:

@@ -111,10 +111,13 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def dense_attention(q: Tensor, segments: list[KV], scale: float) -> Tensor:
+def dense_attention(q: Tensor, segments: list[KV], scale: float,
+                    key_mask: Tensor | None = None) -> Tensor:
     """EAGLE-3 attention with materialised scores. segments[0] is the context, seen causally
     (query i is context index Tc - T + i); segments[1:] are the drafts made earlier at each
-    query's own position, one key per query each. Returns [B, heads, T, head_dim]."""
+    query's own position, one key per query each. `key_mask` [B, Tc] hides context keys a row
+    does not hold (padding, when rows of different lengths share a batch). Returns
+    [B, heads, T, head_dim]."""
     (ctx_k, ctx_v), own = segments[0], segments[1:]
     T, Tc = q.shape[2], ctx_k.shape[2]
     rep = q.shape[1] // ctx_k.shape[1]
@@ -122,6 +125,8 @@ def dense_attention(q: Tensor, segments: list[KV], scale: float) -> Tensor:
     scores = (q @ expand(ctx_k).transpose(-1, -2)) * scale
     visible = (torch.arange(Tc, device=q.device)[None, :]
                <= torch.arange(Tc - T, Tc, device=q.device)[:, None])
+    if key_mask is not None:
+        visible = visible & key_mask[:, None, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
     own_scores = [((q * expand(ok)).sum(-1, keepdim=True) * scale) for ok, _ in own]
     probs = torch.softmax(torch.cat([scores, *own_scores], dim=-1).float(), dim=-1).to(q.dtype)
@@ -168,12 +173,12 @@ def flex_ttt_attention(q: Tensor, segments: list[KV], scale: float) -> Tensor:
     return out[:, :, :T]
 
 
-def attend(q: Tensor, segments: list[KV], scale: float) -> Tensor:
+def attend(q: Tensor, segments: list[KV], scale: float, key_mask: Tensor | None) -> Tensor:
     # Flex has no CPU backward and compiles per shape: it serves training on CUDA, where the
     # dense scores would be [heads, T, T] per TTT step; drafting and CPU runs stay dense.
-    if q.is_cuda and torch.is_grad_enabled():
+    if q.is_cuda and torch.is_grad_enabled() and key_mask is None:
         return flex_ttt_attention(q, segments, scale)
-    return dense_attention(q, segments, scale)
+    return dense_attention(q, segments, scale, key_mask)
 
 
 class Attention(nn.Module):
@@ -187,7 +192,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: KV | None,
-                drafts: list[KV] | None) -> tuple[Tensor, KV]:
+                drafts: list[KV] | None, key_mask: Tensor | None = None) -> tuple[Tensor, KV]:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
@@ -198,7 +203,7 @@ class Attention(nn.Module):
                                                         torch.cat([context[1], v], dim=2))]
         else:  # a draft step: the context is fixed, the chain so far is at the same position
             segments = [context, *drafts, (k, v)]
-        out = attend(q, segments, 1.0 / math.sqrt(self.head_dim))
+        out = attend(q, segments, 1.0 / math.sqrt(self.head_dim), key_mask)
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
 
@@ -232,9 +237,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
-                context: KV | None, drafts: list[KV] | None) -> tuple[Tensor, KV]:
+                context: KV | None, drafts: list[KV] | None,
+                key_mask: Tensor | None = None) -> tuple[Tensor, KV]:
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        attn, kv = self.self_attn(x, cos, sin, context, drafts)
+        attn, kv = self.self_attn(x, cos, sin, context, drafts, key_mask)
         h = hidden + attn
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -257,13 +263,15 @@ class Eagle3Drafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def step(self, input_ids: Tensor, hidden: Tensor, positions: Tensor, context: KV | None,
-             drafts: list[KV] | None) -> tuple[Tensor, KV]:
+             drafts: list[KV] | None, key_mask: Tensor | None = None) -> tuple[Tensor, KV]:
         """One pass of the decoder layer. `hidden` is fc(aux) for real positions or the
-        drafter's previous output for a draft step. Returns the pre-norm output (the feature
-        the next draft step reads) and this pass's keys and values."""
+        drafter's previous output for a draft step. `key_mask` [B, keys] marks the context keys
+        each row holds: for real positions the context's and these positions' own, for a draft
+        step the context's. Returns the pre-norm output (the feature the next draft step reads)
+        and this pass's keys and values."""
         embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)
         cos, sin = self.rotary(hidden, positions)
-        return self.midlayer(embeds, hidden, cos, sin, context, drafts)
+        return self.midlayer(embeds, hidden, cos, sin, context, drafts, key_mask)
 
     def logits(self, out: Tensor) -> Tensor:
         return self.lm_head(self.norm(out))

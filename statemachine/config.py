@@ -164,6 +164,7 @@ class EvalConfig(NamedTuple):
     limit: int = 20
     steps: int = 5
     max_new_tokens: int = 64
+    batch_size: int = 32  # prompts decoded together
     source_path: Path = Path()
 
 
@@ -457,7 +458,8 @@ def parse_config(raw: dict, path: Path) -> Config:
 
     ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
         "source": _STR, "first": _NONNEG_INT, "limit": _POS_INT,
-        "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _POS_INT})
+        "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _POS_INT,
+        "batch_size": _POS_INT})
     eval_path = _existing(chk, "eval.source", ev.source or data.source, base)
     ev = ev._replace(source=_spelled(ev.source or data.source, eval_path), source_path=eval_path)
 

@@ -9,9 +9,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+import torch
 
 from drafter_fixtures import MODEL, cached_dataset, write_config
-from eagle3d.drafter.evaluate import greedy, is_greedy
+from eagle3d.drafter.evaluate import AuxCapture, greedy, is_greedy, speculative
+from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
+from eagle3d.drafter.vocab import from_counts
 from eagle3d.statemachine.config import resolve_location
 from eagle3d.target import loading
 
@@ -51,3 +54,44 @@ def test_the_greedy_check_catches_one_changed_token_and_passes_the_real_decode()
     assert is_greedy(target, prompt, tokens, 24, eos) == (True, False)  # one forward decided
     changed = tokens[:10] + [(tokens[10] + 1) % 49152] + tokens[11:]
     assert is_greedy(target, prompt, changed, 24, eos) == (False, True)  # a plain decode decided
+
+
+def _echo_drafter(target) -> tuple[Eagle3Drafter, object]:
+    """A drafter that proposes, at every draft, the token it was just fed: its output is the
+    feature entering the target's last layer (the third captured layer, 29), read by the
+    target's own norm and head, and that feature predicts the token that follows it, which is
+    the one fed. It is right where the target repeats one token, so rows accept 0 to k drafts,
+    which is what decoding rows together must keep apart."""
+    cfg = DraftConfig.from_target(target.config, target.config.vocab_size)
+    drafter = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach().float())
+    H = cfg.hidden_size
+    with torch.no_grad():
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, 2 * H:] = torch.eye(H)
+        drafter.midlayer.self_attn.o_proj.weight.zero_()
+        drafter.midlayer.mlp.down_proj.weight.zero_()
+        drafter.norm.weight.copy_(target.model.norm.weight)
+        drafter.lm_head.weight.copy_(target.get_output_embeddings().weight)
+    return drafter, from_counts(torch.ones(cfg.vocab_size), cfg.vocab_size)
+
+
+def test_prompts_decoded_together_each_decode_as_alone_and_as_plain_greedy():
+    path = resolve_location(MODEL, Path("."))
+    target = loading.load_model(path, "float32", "cpu")
+    tokenizer = loading.load_tokenizer(path)
+    eos = loading.stop_tokens(tokenizer, target)
+    texts = ["ha ha ha ha ha ha ha ha", "The capital of France is", "A B C D E F G"]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    drafter, vocab = _echo_drafter(target)
+    capture = AuxCapture(target, [2, 15, 29])
+    together = speculative(target, capture, drafter, vocab, prompts, 3, 40, eos)
+    alone = [speculative(target, capture, drafter, vocab, [p], 3, 40, eos)[0] for p in prompts]
+    capture.close()
+    for prompt, t, a in zip(prompts, together, alone):
+        assert (t.tokens, t.accepted) == (a.tokens, a.accepted)
+        assert t.tokens == greedy(target, prompt, 40, eos)
+    # Rows of different lengths, rounds that keep every draft beside rounds that keep none, and
+    # rows that end (at 40 tokens, at the end-of-turn token) at different rounds.
+    accepted = [n for t in together for n in t.accepted]
+    assert len({len(p) for p in prompts}) == 3 and 0 in accepted and 3 in accepted
+    assert len({len(t.accepted) for t in together}) > 1
