@@ -22,8 +22,18 @@ run. SpecForge is optional (its wheel installs with `pip install --no-deps`); wi
 our trainer runs alone. `--tiny` swaps in a tiny shape so the script runs anywhere (on CPU in the
 tests).
 
+`--compare-storage` runs our trainer twice instead, fed as drafter/train.py feeds it from the
+dataset: each batch held on the host (pinned on CUDA) as bf16 dumps store it, or as fp8 dumps do
+(dataset/precision.py's encoding), and copied and decoded on the device at every step by
+data.StoredBatch.to, inside the timed loop. Judged by (issue 16)
+
+    fp8 / bf16 tokens/s   (goal: >= 0.98, the lowest over the lengths)
+
+printed last.
+
     python bench/gpu_train.py                       # on a GPU server
     python bench/gpu_train.py --shape kimi-k2.5     # the Kimi-K2.5-sized draft
+    python bench/gpu_train.py --compare-storage     # fp8 against bf16 storage
     python bench/gpu_train.py --tiny                # anywhere
 """
 
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import gc
 import importlib
 import shutil
@@ -41,7 +52,7 @@ import tomllib
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -77,14 +88,18 @@ def ensure_eagle3d(repo: Path = REPO) -> Path | None:
 
 ensure_eagle3d()
 
+from eagle3d.dataset import precision  # noqa: E402
 from eagle3d.drafter import data, vocab as vocab_mod  # noqa: E402
 from eagle3d.drafter.model import LOSS_DECAY, DraftConfig  # noqa: E402
 from eagle3d.drafter.train import build_drafter, make_optimizer, train_step  # noqa: E402
+from eagle3d.statemachine.config import FP8  # noqa: E402
 
 RMS_EPS = 1e-5
 GRAD_CLIP = 0.5  # [train] grad_clip's default, and SpecForge's max_grad_norm
 OUT_OF_DRAFT_SCALE = 0.1
 LOSS_TOLERANCE = 0.01  # "no worse": within 1% (bf16 runs differ in the last bits)
+STORAGE = {"bf16": "bfloat16", "fp8": FP8}  # --compare-storage's runs: the dumps' dtypes
+STORAGE_GOAL = 0.98  # issue 16: fp8 storage keeps the training tokens/s within 2% of bf16's
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,22 @@ class Batch:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.input_ids, self.aux, self.last, self.loss_mask))
 
+    @property
+    def targets(self) -> Tensor:
+        """Where our loss counts: index t, when token t+1 is trained on (as read_batch)."""
+        return F.pad(self.loss_mask[:, 1:].bool(), (0, 1), value=False)
+
+    def stored(self, dump_dtype: str, pin: bool) -> data.StoredBatch:
+        """This batch as the trainer reads it from dumps of `dump_dtype` (a config name): the
+        states encoded on their device as the capture encodes them, then held on the host
+        (pinned with `pin`, as data.read_batch holds them on CUDA)."""
+        def host(t: Tensor) -> Tensor:
+            t = t.cpu()
+            return t.pin_memory() if pin else t
+        states = precision.encode_states(self.aux, self.last, dump_dtype)
+        return data.StoredBatch(host(self.input_ids), {k: host(t) for k, t in states.items()},
+                                host(self.targets), self.tokens)
+
 
 def random_target(shape: Shape, device: torch.device) -> Target:
     g = torch.Generator(device=device).manual_seed(0)
@@ -191,23 +222,55 @@ def initial_weights(shape: Shape, target: Target, max_len: int,
     return weights
 
 
+class Trainer(Protocol):
+    def prepare(self, batches: list[Batch]) -> None:
+        """Whatever the trainer derives from the run's batches, before the clock starts."""
+
+    def step(self, batch: Batch) -> Tensor:
+        """One training step on `batch`; its loss, as ours weighs it."""
+
+
 class OurTrainer:
-    """drafter/train.py's model, optimizer and training step."""
+    """drafter/train.py's model, optimizer and training step, on batches already on the
+    device."""
 
     def __init__(self, shape: Shape, target: Target, weights: dict[str, Tensor], max_len: int,
                  lr: float, ttt: int, device: torch.device) -> None:
-        self.ttt = ttt
+        self.ttt, self.device = ttt, device
         self.model, self.teacher_head = build_drafter(draft_config(shape, max_len), target.embed,
                                                       target.head_rows, device)
         self.model.load_state_dict(weights)
         self.optimizer = make_optimizer(self.model, lr, weight_decay=0.0)
 
+    def prepare(self, batches: list[Batch]) -> None:
+        pass  # the batches are trained where they lie
+
     def step(self, batch: Batch) -> Tensor:
-        targets = F.pad(batch.loss_mask[:, 1:].bool(), (0, 1), value=False)  # as load_batch
-        loss, _, _, _ = train_step(self.model, self.optimizer, data.Batch(
-            batch.input_ids, batch.aux, batch.last, targets, batch.tokens), self.teacher_head,
-            self.ttt, GRAD_CLIP)
+        return self.train(data.Batch(batch.input_ids, batch.aux, batch.last, batch.targets,
+                                     batch.tokens))
+
+    def train(self, batch: data.Batch) -> Tensor:
+        loss, _, _, _ = train_step(self.model, self.optimizer, batch, self.teacher_head,
+                                   self.ttt, GRAD_CLIP)
         return loss
+
+
+class StoredTrainer(OurTrainer):
+    """Ours fed as drafter/train.py feeds it from the dataset: each batch held on the host as
+    dumps of `dump_dtype` store it, and at every step copied to the device and decoded there
+    by data.StoredBatch.to, inside the timed loop as in train_loop."""
+
+    def __init__(self, dump_dtype: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dump_dtype = dump_dtype
+        self.stored: dict[int, data.StoredBatch] = {}
+
+    def prepare(self, batches: list[Batch]) -> None:
+        pin = self.device.type == "cuda"
+        self.stored = {id(b): b.stored(self.dump_dtype, pin) for b in batches}
+
+    def step(self, batch: Batch) -> Tensor:
+        return self.train(self.stored[id(batch)].to(self.device))
 
 
 class SpecForgeTrainer:
@@ -309,19 +372,19 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def timed_run(build: Callable[[], OurTrainer | SpecForgeTrainer], batches: list[Batch],
+def timed_run(build: Callable[[], Trainer], batches: list[Batch],
               warmup: int, steps: int, device: torch.device) -> Run:
     """Build a trainer, warm it up, time `steps` steps. The peak counts what the trainer
-    allocates over what existed before it (the shared inputs and weights), plus one batch;
-    the loss is the mean over the last pass through the batches."""
+    allocates over what existed before it (the shared inputs and weights), plus one batch
+    where the trainer reads the shared one on the device; the loss is the mean over the last
+    pass through the batches."""
     free(device)
     cuda = device.type == "cuda"
     if cuda:
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     trainer = build()
-    if isinstance(trainer, SpecForgeTrainer):
-        trainer.prepare(batches)
+    trainer.prepare(batches)
     losses = []
     for i in range(warmup + steps):
         if i == warmup:
@@ -330,7 +393,9 @@ def timed_run(build: Callable[[], OurTrainer | SpecForgeTrainer], batches: list[
         losses.append(trainer.step(batches[i % len(batches)]))
     synchronize(device)
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated(device) - before + batches[0].nbytes) if cuda else 0
+    # A stored feed allocates its device batch in its steps: already counted.
+    held = 0 if isinstance(trainer, StoredTrainer) else batches[0].nbytes
+    peak = (torch.cuda.max_memory_allocated(device) - before + held) if cuda else 0
     loss = torch.stack(losses[-len(batches):]).mean().item()
     del trainer, losses
     free(device)
@@ -417,6 +482,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ttt", type=int, default=7)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--no-specforge", action="store_true", help="run ours alone")
+    parser.add_argument("--compare-storage", action="store_true",
+                        help="instead of SpecForge: ours fed from batches stored as bf16 and "
+                             "as fp8, alternating ABBA (issue 16)")
     parser.add_argument("--specforge-backend", default="flex_attention",
                         choices=("flex_attention", "sdpa"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -436,19 +504,23 @@ def main(argv: list[str] | None = None) -> int:
         # CPU runs are the tiny smoke run: its tensors gain nothing from threads, and on a
         # busy machine spinning OpenMP threads make a step take seconds instead of ~20 ms.
         torch.set_num_threads(1)
-    skipped = "--no-specforge" if args.no_specforge else specforge_missing()
+    skipped = ("--compare-storage" if args.compare_storage else
+               "--no-specforge" if args.no_specforge else specforge_missing())
     max_len = max(seq_lens) + args.ttt
 
     target = random_target(shape, device)
     weights = initial_weights(shape, target, max_len, device)
     config_dir = Path(tempfile.mkdtemp(prefix="eagle3d-bench-train-"))
     atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
-    trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]] = {
-        "ours": lambda: OurTrainer(shape, target, weights, max_len, args.lr, args.ttt, device)}
-    if skipped is None:
-        trainers["specforge"] = lambda: SpecForgeTrainer(
-            shape, target, weights, max_len, args.lr, args.ttt, device, args.specforge_backend,
-            config_dir)
+    common = (shape, target, weights, max_len, args.lr, args.ttt, device)
+    trainers: dict[str, Callable[[], Trainer]] = {
+        "ours": functools.partial(OurTrainer, *common)}
+    if args.compare_storage:
+        trainers = {name: functools.partial(StoredTrainer, dtype, *common)
+                    for name, dtype in STORAGE.items()}
+    elif skipped is None:
+        trainers["specforge"] = functools.partial(SpecForgeTrainer, *common,
+                                                  args.specforge_backend, config_dir)
 
     peak = matmul_peak(device)
     results = measure(trainers, seq_lens, batches=lambda n: random_batches(
@@ -460,17 +532,23 @@ def main(argv: list[str] | None = None) -> int:
           f"heads {shape.heads}/{shape.kv_heads} of dim {shape.head_dim}, draft vocab "
           f"{shape.draft_vocab} of {shape.vocab}, rope theta {shape.rope_theta:g}), TTT "
           f"{args.ttt}, batch 1, bf16, {where}; {args.warmup} warm-up + {args.steps} timed steps "
-          f"x {args.repeats} runs; SpecForge "
-          f"{args.specforge_backend if skipped is None else 'skipped'}")
+          f"x {args.repeats} runs; "
+          + ("ours fed from batches held on the host as bf16 and as fp8 dumps store them, "
+             "copied and decoded at every step" if args.compare_storage else
+             f"SpecForge {args.specforge_backend if skipped is None else 'skipped'}"))
     print(f"MFU: the model's FLOPs per second (bench/gpu_train.py train_flops) over the bf16 "
           f"matmul peak measured here, {peak / 1e12:.3g} TFLOP/s")
-    report(results, seq_lens, list(trainers), peak)
-    if skipped is not None:
+    table(results, seq_lens, list(trainers), peak)
+    if args.compare_storage:
+        judge_storage(results, seq_lens)
+    elif skipped is None:
+        judge_specforge(results, seq_lens)
+    else:
         print(f"comparison with SpecForge skipped ({skipped})")
     return 0 if all(isinstance(r, Result) for r in results.values()) else 1
 
 
-def measure(trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]],
+def measure(trainers: dict[str, Callable[[], Trainer]],
             seq_lens: list[int], batches: Callable[[int], list[Batch]],
             flops_per_token: Callable[[int], float], warmup: int, steps: int, repeats: int,
             device: torch.device) -> dict[tuple[int, str], Result | str]:
@@ -496,9 +574,9 @@ def measure(trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]],
     return results
 
 
-def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
-           names: list[str], peak: float) -> None:
-    """The table, then (with SpecForge) the judged ratios, last."""
+def table(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
+          names: list[str], peak: float) -> None:
+    """A row per length and trainer: its figures, or why it failed."""
     print(f"{'T':>6}  {'trainer':<10}{'tokens/s':>10}{'peak GiB':>10}{'loss':>9}{'MFU':>8}")
     for seq_len in seq_lens:
         for name in names:
@@ -508,8 +586,10 @@ def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
             else:
                 print(f"{seq_len:>6}  {name:<10}{res.tokens_per_s:>10.0f}"
                       f"{res.peak_gib:>10.2f}{res.loss:>9.4f}{res.flops_per_s / peak:>8.3f}")
-    if "specforge" not in names:
-        return
+
+
+def judge_specforge(results: dict[tuple[int, str], Result | str], seq_lens: list[int]) -> None:
+    """Ours against SpecForge per length, then the verdict over all of them, last."""
     verdicts = []
     for seq_len in seq_lens:
         ours, theirs = results[seq_len, "ours"], results[seq_len, "specforge"]
@@ -527,6 +607,26 @@ def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
               f"{'met' if verdicts[-1] else 'not met'}")
     print(f"goal (>= 1.2x SpecForge's tokens/s at <= its peak memory, loss no worse) at every "
           f"length: {'met' if all(verdicts) else 'not met'}")
+
+
+
+def judge_storage(results: dict[tuple[int, str], Result | str], seq_lens: list[int]) -> None:
+    """fp8 / bf16 tokens/s per length, then the lowest of them, the judged figure, last."""
+    ratios = {}
+    for seq_len in seq_lens:
+        bf16, fp8 = results[seq_len, "bf16"], results[seq_len, "fp8"]
+        if isinstance(bf16, Result) and isinstance(fp8, Result):
+            ratios[seq_len] = fp8.tokens_per_s / bf16.tokens_per_s
+            print(f"fp8 / bf16 tokens/s T={seq_len}: {ratios[seq_len]:.3f} (peak "
+                  f"{fp8.peak_gib:.2f} vs {bf16.peak_gib:.2f} GiB; loss {fp8.loss:.4f} vs "
+                  f"{bf16.loss:.4f})")
+    lengths = ",".join(map(str, seq_lens))
+    if len(ratios) < len(seq_lens):
+        print(f"fp8 / bf16 tokens/s, lowest over T={lengths}: n/a (a run failed)")
+        return
+    lowest = min(ratios.values())
+    print(f"fp8 / bf16 tokens/s, lowest over T={lengths}: {lowest:.3f} (goal >= "
+          f"{STORAGE_GOAL}): {'met' if lowest >= STORAGE_GOAL else 'not met'}")
 
 
 if __name__ == "__main__":
