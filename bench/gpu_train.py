@@ -52,13 +52,21 @@ import tomllib
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def temporary_folder(prefix: str) -> Path:
+    """A new folder under the system's temporary folder, removed when the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def ensure_eagle3d(repo: Path = REPO) -> Path | None:
@@ -74,8 +82,7 @@ def ensure_eagle3d(repo: Path = REPO) -> Path | None:
         del sys.modules[name]  # a half-finished import would shadow the mapping
     package_dir = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-dir"]
-    root = Path(tempfile.mkdtemp(prefix="eagle3d-import-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    root = temporary_folder("eagle3d-import-")
     (root / "eagle3d").mkdir()
     (root / "eagle3d" / "__init__.py").write_text("")
     for package, folder in package_dir.items():
@@ -362,8 +369,12 @@ class Run:
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work and, under DDP, for every rank: a clock started or
+    stopped here times the same steps on all of them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def free(device: torch.device) -> None:
@@ -448,13 +459,64 @@ class Result:
     tokens_per_s: float
     peak_gib: float
     loss: float
-    flops_per_s: float  # the model's (train_flops)
 
 
-def summarize(runs: list[Run], flops_per_token: float) -> Result:
-    tokens_per_s = sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
-    return Result(tokens_per_s, max(r.peak for r in runs) / 2**30,
-                  sum(r.loss for r in runs) / len(runs), tokens_per_s * flops_per_token)
+def summarize(runs: list[Run]) -> Result:
+    return Result(sum(r.tokens for r in runs) / sum(r.seconds for r in runs),
+                  max(r.peak for r in runs) / 2**30, sum(r.loss for r in runs) / len(runs))
+
+
+Arm = TypeVar("Arm")
+
+
+def abba(arms: list[Arm], repeats: int) -> Iterator[Arm]:
+    """`repeats` runs of every arm, in the order A B, B A, A B, ...: a drift in the machine's
+    speed (clocks, heat, neighbours) falls on all arms alike."""
+    for r in range(repeats):
+        yield from (arms if r % 2 == 0 else arms[::-1])
+
+
+def training_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The arguments every training bench takes: the draft's shape, where it runs, and how much
+    is timed."""
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="the draft's shape (default llama-8b)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=warmup,
+                        help="untimed steps first (compiles)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each arm, alternating ABBA (A B, B A, ...)")
+    parser.add_argument("--batches", type=int, default=4,
+                        help="distinct random batches, cycled through")
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--lr", type=float, default=1e-4)
+
+
+def checked_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Shape:
+    """The shape training_arguments asked for, once they make sense (else parser.error)."""
+    if min(args.steps, args.repeats, args.batches, args.ttt) < 1 or args.warmup < 0:
+        parser.error("--steps, --repeats, --batches and --ttt must be >= 1, --warmup >= 0")
+    if args.tiny and args.shape:
+        parser.error("--tiny is a shape of its own: give --tiny or --shape")
+    return shape_of(args)
+
+
+def shape_of(args: argparse.Namespace) -> Shape:
+    return TINY if args.tiny else SHAPES[args.shape or "llama-8b"]
+
+
+def bench_device(kind: str, index: int = 0) -> torch.device:
+    """Where a run trains: GPU `index`, made current, or the CPU with one thread (CPU runs are
+    the tiny smoke runs: their tensors gain nothing from threads, and on a busy machine
+    spinning OpenMP threads make a step take seconds instead of ~20 ms)."""
+    if kind == "cuda":
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(1)
+    return torch.device(kind)
 
 
 def specforge_missing() -> str | None:
@@ -467,51 +529,30 @@ def specforge_missing() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
-    parser.add_argument("--shape", choices=sorted(SHAPES),
-                        help="the draft's shape (default llama-8b)")
+    training_arguments(parser, steps=20, warmup=3)
     parser.add_argument("--seq-lens", default="",
                         help="comma-separated sequence lengths (default: 2048,4096; 32,64 with "
                              "--tiny)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs per trainer and length, alternating ours/theirs ABBA")
-    parser.add_argument("--batches", type=int, default=4,
-                        help="distinct random batches, cycled through")
-    parser.add_argument("--ttt", type=int, default=7)
-    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--no-specforge", action="store_true", help="run ours alone")
     parser.add_argument("--compare-storage", action="store_true",
                         help="instead of SpecForge: ours fed from batches stored as bf16 and "
                              "as fp8, alternating ABBA (issue 16)")
     parser.add_argument("--specforge-backend", default="flex_attention",
                         choices=("flex_attention", "sdpa"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if min(args.steps, args.repeats, args.batches, args.ttt) < 1 or args.warmup < 0:
-        parser.error("--steps, --repeats, --batches and --ttt must be >= 1, --warmup >= 0")
-
-    if args.tiny and args.shape:
-        parser.error("--tiny is a shape of its own: give --tiny or --shape")
-    shape = TINY if args.tiny else SHAPES[args.shape or "llama-8b"]
+    shape = checked_shape(parser, args)
     seq_lens = [int(s) for s in (args.seq_lens or ("32,64" if args.tiny else "2048,4096"))
                 .split(",")]
     if min(seq_lens) <= args.ttt:
         parser.error(f"sequence lengths must exceed --ttt {args.ttt}")
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        # CPU runs are the tiny smoke run: its tensors gain nothing from threads, and on a
-        # busy machine spinning OpenMP threads make a step take seconds instead of ~20 ms.
-        torch.set_num_threads(1)
+    device = bench_device(args.device)
     skipped = ("--compare-storage" if args.compare_storage else
                "--no-specforge" if args.no_specforge else specforge_missing())
     max_len = max(seq_lens) + args.ttt
 
     target = random_target(shape, device)
     weights = initial_weights(shape, target, max_len, device)
-    config_dir = Path(tempfile.mkdtemp(prefix="eagle3d-bench-train-"))
-    atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
+    config_dir = temporary_folder("eagle3d-bench-train-")
     common = (shape, target, weights, max_len, args.lr, args.ttt, device)
     trainers: dict[str, Callable[[], Trainer]] = {
         "ours": functools.partial(OurTrainer, *common)}
@@ -524,9 +565,8 @@ def main(argv: list[str] | None = None) -> int:
 
     peak = matmul_peak(device)
     results = measure(trainers, seq_lens, batches=lambda n: random_batches(
-        shape, n, args.batches, device), flops_per_token=lambda n: train_flops(
-        shape, n, args.ttt) / n, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
-        device=device)
+        shape, n, args.batches, device), warmup=args.warmup, steps=args.steps,
+        repeats=args.repeats, device=device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"draft {shape.name} (hidden {shape.hidden}, intermediate {shape.intermediate}, "
           f"heads {shape.heads}/{shape.kv_heads} of dim {shape.head_dim}, draft vocab "
@@ -538,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
              f"SpecForge {args.specforge_backend if skipped is None else 'skipped'}"))
     print(f"MFU: the model's FLOPs per second (bench/gpu_train.py train_flops) over the bf16 "
           f"matmul peak measured here, {peak / 1e12:.3g} TFLOP/s")
-    table(results, seq_lens, list(trainers), peak)
+    table(results, seq_lens, list(trainers), lambda n: train_flops(shape, n, args.ttt) / n / peak)
     if args.compare_storage:
         judge_storage(results, seq_lens)
     elif skipped is None:
@@ -549,34 +589,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def measure(trainers: dict[str, Callable[[], Trainer]],
-            seq_lens: list[int], batches: Callable[[int], list[Batch]],
-            flops_per_token: Callable[[int], float], warmup: int, steps: int, repeats: int,
-            device: torch.device) -> dict[tuple[int, str], Result | str]:
+            seq_lens: list[int], batches: Callable[[int], list[Batch]], warmup: int, steps: int,
+            repeats: int, device: torch.device) -> dict[tuple[int, str], Result | str]:
     """Per (length, trainer), its figures or why it failed; runs alternate ABBA."""
     results: dict[tuple[int, str], Result | str] = {}
     for seq_len in seq_lens:
         inputs = batches(seq_len)
         runs: dict[str, list[Run]] = {name: [] for name in trainers}
-        for r in range(repeats):
-            for name in (list(trainers) if r % 2 == 0 else list(trainers)[::-1]):
-                if isinstance(results.get((seq_len, name)), str):
-                    continue  # failed once at this length: its other runs would too
-                try:
-                    runs[name].append(timed_run(trainers[name], inputs, warmup, steps, device))
-                except Exception as exc:  # one trainer failing must not lose the other's figure
-                    traceback.print_exc()
-                    results[seq_len, name] = f"failed: {type(exc).__name__}"
+        for name in abba(list(trainers), repeats):
+            if isinstance(results.get((seq_len, name)), str):
+                continue  # failed once at this length: its other runs would too
+            try:
+                runs[name].append(timed_run(trainers[name], inputs, warmup, steps, device))
+            except Exception as exc:  # one trainer failing must not lose the other's figure
+                traceback.print_exc()
+                results[seq_len, name] = f"failed: {type(exc).__name__}"
         for name, done in runs.items():
             if done and (seq_len, name) not in results:
-                results[seq_len, name] = summarize(done, flops_per_token(seq_len))
+                results[seq_len, name] = summarize(done)
         del inputs
         free(device)
     return results
 
 
 def table(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
-          names: list[str], peak: float) -> None:
-    """A row per length and trainer: its figures, or why it failed."""
+          names: list[str], mfu_per_token: Callable[[int], float]) -> None:
+    """A row per length and trainer: its figures, or why it failed; `mfu_per_token(T)` is the
+    model's FLOPs per token at length T over the measured peak."""
     print(f"{'T':>6}  {'trainer':<10}{'tokens/s':>10}{'peak GiB':>10}{'loss':>9}{'MFU':>8}")
     for seq_len in seq_lens:
         for name in names:
@@ -585,7 +624,8 @@ def table(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
                 print(f"{seq_len:>6}  {name:<10}{res:>29}")
             else:
                 print(f"{seq_len:>6}  {name:<10}{res.tokens_per_s:>10.0f}"
-                      f"{res.peak_gib:>10.2f}{res.loss:>9.4f}{res.flops_per_s / peak:>8.3f}")
+                      f"{res.peak_gib:>10.2f}{res.loss:>9.4f}"
+                      f"{res.tokens_per_s * mfu_per_token(seq_len):>8.3f}")
 
 
 def judge_specforge(results: dict[tuple[int, str], Result | str], seq_lens: list[int]) -> None:
