@@ -20,13 +20,13 @@ printed last. Needs no network. `--tiny --device cpu` runs the same over gloo on
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_train  # noqa: E402  (makes eagle3d importable where it is not installed)
-from gpu_train import REPO, SHAPES, TINY, Shape  # noqa: E402
+from gpu_train import REPO, TINY, Run, Shape, shape_of  # noqa: E402
 
 sys.path.insert(0, str(REPO / "tests"))
 GOAL = 1.85
@@ -46,45 +46,32 @@ RESUME_SHAPE = Shape("resume-check", hidden=1024, intermediate=2816, heads=16, k
 # ---- one torchrun process of a scaling run ----------------------------------------------------
 
 def worker(args: argparse.Namespace) -> int:
+    """gpu_train.py's timed run of our trainer, under DDP; rank 0 writes it down, with every
+    rank's tokens."""
     import torch.distributed as dist
     from eagle3d.drafter.train import data_parallel
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = args.device == "cuda"
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(1)  # as gpu_train.py on CPU: the tiny tensors gain nothing
-    dist.init_process_group("nccl" if cuda else "gloo")
+    device = gpu_train.bench_device(args.device, int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     shape = shape_of(args)
     max_len = args.seq_len + args.ttt
     target = gpu_train.random_target(shape, device)
     weights = gpu_train.initial_weights(shape, target, max_len, device)
     # Every run cycles through the same batches; rank r of w takes every w-th.
     batches = gpu_train.random_batches(shape, args.seq_len, args.batches, device)[rank::world]
-    trainer = gpu_train.OurTrainer(shape, target, weights, max_len, args.lr, args.ttt, device)
-    if world > 1:
-        trainer.model = data_parallel(trainer.model, device)
-    for i in range(args.warmup + args.steps):
-        if i == args.warmup:
-            gpu_train.synchronize(device)
-            dist.barrier()
-            t0 = time.perf_counter()
-        loss = trainer.step(batches[i % len(batches)])
-    gpu_train.synchronize(device)
-    dist.barrier()
-    seconds = time.perf_counter() - t0
+
+    def build() -> gpu_train.OurTrainer:
+        trainer = gpu_train.OurTrainer(shape, target, weights, max_len, args.lr, args.ttt, device)
+        if world > 1:
+            trainer.model = data_parallel(trainer.model, device)
+        return trainer
+
+    run = gpu_train.timed_run(build, batches, args.warmup, args.steps, device)
     if rank == 0:
-        peak = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
-        Path(args.result).write_text(json.dumps({
-            "world": world, "tokens_per_s": args.steps * world * args.seq_len / seconds,
-            "peak_gib": peak, "loss": loss.item()}))
+        Path(args.result).write_text(json.dumps(dataclasses.asdict(
+            dataclasses.replace(run, tokens=run.tokens * world))))
     dist.destroy_process_group()
     return 0
-
-
-def shape_of(args: argparse.Namespace) -> Shape:
-    return TINY if args.tiny else SHAPES[args.shape]
 
 
 def torchrun(nproc: int, *argv: str) -> list[str]:
@@ -101,9 +88,9 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def scaling_run(args: argparse.Namespace, world: int, workdir: Path) -> dict:
+def scaling_run(args: argparse.Namespace, world: int, workdir: Path) -> Run:
     result = workdir / f"result-{world}-{time.monotonic_ns()}.json"
-    forwarded = ["--tiny"] if args.tiny else ["--shape", args.shape]
+    forwarded = ["--tiny"] if args.tiny else ["--shape", args.shape] if args.shape else []
     argv = torchrun(world, __file__, "--worker", "--result", str(result), "--device",
                     args.device, "--seq-len", str(args.seq_len), "--steps", str(args.steps),
                     "--warmup", str(args.warmup), "--batches", str(args.batches), "--ttt",
@@ -112,7 +99,7 @@ def scaling_run(args: argparse.Namespace, world: int, workdir: Path) -> dict:
     if run.returncode != 0:
         raise RuntimeError(f"the {world}-process run failed (exit {run.returncode}):\n"
                            f"{run.stderr[-4000:]}")
-    return json.loads(result.read_text())
+    return Run(**json.loads(result.read_text()))
 
 
 # ---- the resume check -------------------------------------------------------------------------
@@ -238,19 +225,9 @@ def resume_check(args: argparse.Namespace, workdir: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    gpu_train.training_arguments(parser, steps=30, warmup=5)
     parser.add_argument("--seq-len", type=int, default=0,
                         help="tokens per process per step (default 4096; 64 with --tiny)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compiles)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs per process count, in the order 1, 2, 2, 1, ...")
-    parser.add_argument("--batches", type=int, default=4,
-                        help="distinct random batches (even: both processes get as many)")
-    parser.add_argument("--ttt", type=int, default=7)
-    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--part", choices=("both", "scaling", "resume"), default="both",
                         help="what to run (each part alone fits a 10-minute slot)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -259,21 +236,20 @@ def main(argv: list[str] | None = None) -> int:
     args.seq_len = args.seq_len or (64 if args.tiny else 4096)
     if args.worker:
         return worker(args)
-    if args.batches % 2 or min(args.steps, args.repeats) < 1 or args.seq_len <= args.ttt:
-        parser.error("--batches must be even, --steps and --repeats >= 1, --seq-len > --ttt")
+    shape = gpu_train.checked_shape(parser, args)
+    if args.batches % 2 or args.seq_len <= args.ttt:
+        parser.error("--batches must be even (both processes get as many), --seq-len > --ttt")
     if args.device == "cuda" and torch.cuda.device_count() < 2:
         parser.error(f"2 GPUs needed, {torch.cuda.device_count()} visible")
 
-    workdir = Path(tempfile.mkdtemp(prefix="eagle3d-bench-multi-"))
-    runs: dict[int, list[dict]] = {1: [], 2: []}
-    for r in range(args.repeats if args.part != "resume" else 0):
-        for world in ((1, 2) if r % 2 == 0 else (2, 1)):
-            runs[world].append(scaling_run(args, world, workdir))
-            print(f"run {len(runs[1]) + len(runs[2])}: {world} process(es): "
-                  f"{runs[world][-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    workdir = gpu_train.temporary_folder("eagle3d-bench-multi-")
+    runs: dict[int, list[Run]] = {1: [], 2: []}
+    for world in gpu_train.abba([1, 2], args.repeats if args.part != "resume" else 0):
+        runs[world].append(scaling_run(args, world, workdir))
+        print(f"run {len(runs[1]) + len(runs[2])}: {world} process(es): "
+              f"{runs[world][-1].tokens / runs[world][-1].seconds:.0f} tokens/s", flush=True)
     verdict = (resume_check(args, workdir) if args.part != "scaling"
                else "resume check: skipped (--part scaling)")
-    shape = shape_of(args)
     where = torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu (gloo)"
     print(f"draft {shape.name}, TTT {args.ttt}, {args.seq_len} tokens per process per step, "
           f"bf16, {where}; {args.warmup} warm-up + {args.steps} timed steps x {args.repeats} "
@@ -281,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     print(verdict)
     if args.part == "resume":
         return 0 if "FAILED" not in verdict else 1
-    mean = {w: sum(r["tokens_per_s"] for r in rs) / len(rs) for w, rs in runs.items()}
-    for world in (1, 2):
-        peak = max(r["peak_gib"] for r in runs[world])
-        print(f"{world} process(es): {mean[world]:.0f} tokens/s ({mean[world] / world:.0f} per "
-              f"process), peak {peak:.2f} GiB per GPU, last loss {runs[world][-1]['loss']:.4f}")
-    ratio = mean[2] / mean[1]
+    results = {world: gpu_train.summarize(done) for world, done in runs.items()}
+    for world, res in results.items():
+        print(f"{world} process(es): {res.tokens_per_s:.0f} tokens/s "
+              f"({res.tokens_per_s / world:.0f} per process), peak {res.peak_gib:.2f} GiB per "
+              f"GPU, loss {res.loss:.4f}")
+    ratio = results[2].tokens_per_s / results[1].tokens_per_s
     print(f"ratio 2 GPUs / 1 GPU: {ratio:.3f} (goal >= {GOAL}): "
           f"{'met' if ratio >= GOAL else 'not met'}")
     return 0 if "FAILED" not in verdict else 1

@@ -22,8 +22,18 @@ run. SpecForge is optional (its wheel installs with `pip install --no-deps`); wi
 our trainer runs alone. `--tiny` swaps in a tiny shape so the script runs anywhere (on CPU in the
 tests).
 
+`--compare-storage` runs our trainer twice instead, fed as drafter/train.py feeds it from the
+dataset: each batch held on the host (pinned on CUDA) as bf16 dumps store it, or as fp8 dumps do
+(dataset/precision.py's encoding), and copied and decoded on the device at every step by
+data.StoredBatch.to, inside the timed loop. Judged by (issue 16)
+
+    fp8 / bf16 tokens/s   (goal: >= 0.98, the lowest over the lengths)
+
+printed last.
+
     python bench/gpu_train.py                       # on a GPU server
     python bench/gpu_train.py --shape kimi-k2.5     # the Kimi-K2.5-sized draft
+    python bench/gpu_train.py --compare-storage     # fp8 against bf16 storage
     python bench/gpu_train.py --tiny                # anywhere
 """
 
@@ -31,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import functools
 import gc
 import importlib
 import shutil
@@ -41,13 +52,21 @@ import tomllib
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Protocol, TypeVar
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def temporary_folder(prefix: str) -> Path:
+    """A new folder under the system's temporary folder, removed when the process exits."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def ensure_eagle3d(repo: Path = REPO) -> Path | None:
@@ -63,8 +82,7 @@ def ensure_eagle3d(repo: Path = REPO) -> Path | None:
         del sys.modules[name]  # a half-finished import would shadow the mapping
     package_dir = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"][
         "package-dir"]
-    root = Path(tempfile.mkdtemp(prefix="eagle3d-import-"))
-    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    root = temporary_folder("eagle3d-import-")
     (root / "eagle3d").mkdir()
     (root / "eagle3d" / "__init__.py").write_text("")
     for package, folder in package_dir.items():
@@ -77,14 +95,18 @@ def ensure_eagle3d(repo: Path = REPO) -> Path | None:
 
 ensure_eagle3d()
 
+from eagle3d.dataset import precision  # noqa: E402
 from eagle3d.drafter import data, vocab as vocab_mod  # noqa: E402
 from eagle3d.drafter.model import LOSS_DECAY, DraftConfig  # noqa: E402
 from eagle3d.drafter.train import build_drafter, make_optimizer, train_step  # noqa: E402
+from eagle3d.statemachine.config import FP8  # noqa: E402
 
 RMS_EPS = 1e-5
 GRAD_CLIP = 0.5  # [train] grad_clip's default, and SpecForge's max_grad_norm
 OUT_OF_DRAFT_SCALE = 0.1
 LOSS_TOLERANCE = 0.01  # "no worse": within 1% (bf16 runs differ in the last bits)
+STORAGE = {"bf16": "bfloat16", "fp8": FP8}  # --compare-storage's runs: the dumps' dtypes
+STORAGE_GOAL = 0.98  # issue 16: fp8 storage keeps the training tokens/s within 2% of bf16's
 
 
 @dataclass(frozen=True)
@@ -144,6 +166,22 @@ class Batch:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.input_ids, self.aux, self.last, self.loss_mask))
 
+    @property
+    def targets(self) -> Tensor:
+        """Where our loss counts: index t, when token t+1 is trained on (as read_batch)."""
+        return F.pad(self.loss_mask[:, 1:].bool(), (0, 1), value=False)
+
+    def stored(self, dump_dtype: str, pin: bool) -> data.StoredBatch:
+        """This batch as the trainer reads it from dumps of `dump_dtype` (a config name): the
+        states encoded on their device as the capture encodes them, then held on the host
+        (pinned with `pin`, as data.read_batch holds them on CUDA)."""
+        def host(t: Tensor) -> Tensor:
+            t = t.cpu()
+            return t.pin_memory() if pin else t
+        states = precision.encode_states(self.aux, self.last, dump_dtype)
+        return data.StoredBatch(host(self.input_ids), {k: host(t) for k, t in states.items()},
+                                host(self.targets), self.tokens)
+
 
 def random_target(shape: Shape, device: torch.device) -> Target:
     g = torch.Generator(device=device).manual_seed(0)
@@ -191,23 +229,55 @@ def initial_weights(shape: Shape, target: Target, max_len: int,
     return weights
 
 
+class Trainer(Protocol):
+    def prepare(self, batches: list[Batch]) -> None:
+        """Whatever the trainer derives from the run's batches, before the clock starts."""
+
+    def step(self, batch: Batch) -> Tensor:
+        """One training step on `batch`; its loss, as ours weighs it."""
+
+
 class OurTrainer:
-    """drafter/train.py's model, optimizer and training step."""
+    """drafter/train.py's model, optimizer and training step, on batches already on the
+    device."""
 
     def __init__(self, shape: Shape, target: Target, weights: dict[str, Tensor], max_len: int,
                  lr: float, ttt: int, device: torch.device) -> None:
-        self.ttt = ttt
+        self.ttt, self.device = ttt, device
         self.model, self.teacher_head = build_drafter(draft_config(shape, max_len), target.embed,
                                                       target.head_rows, device)
         self.model.load_state_dict(weights)
         self.optimizer = make_optimizer(self.model, lr, weight_decay=0.0)
 
+    def prepare(self, batches: list[Batch]) -> None:
+        pass  # the batches are trained where they lie
+
     def step(self, batch: Batch) -> Tensor:
-        targets = F.pad(batch.loss_mask[:, 1:].bool(), (0, 1), value=False)  # as load_batch
-        loss, _, _, _ = train_step(self.model, self.optimizer, data.Batch(
-            batch.input_ids, batch.aux, batch.last, targets, batch.tokens), self.teacher_head,
-            self.ttt, GRAD_CLIP)
+        return self.train(data.Batch(batch.input_ids, batch.aux, batch.last, batch.targets,
+                                     batch.tokens))
+
+    def train(self, batch: data.Batch) -> Tensor:
+        loss, _, _, _ = train_step(self.model, self.optimizer, batch, self.teacher_head,
+                                   self.ttt, GRAD_CLIP)
         return loss
+
+
+class StoredTrainer(OurTrainer):
+    """Ours fed as drafter/train.py feeds it from the dataset: each batch held on the host as
+    dumps of `dump_dtype` store it, and at every step copied to the device and decoded there
+    by data.StoredBatch.to, inside the timed loop as in train_loop."""
+
+    def __init__(self, dump_dtype: str, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.dump_dtype = dump_dtype
+        self.stored: dict[int, data.StoredBatch] = {}
+
+    def prepare(self, batches: list[Batch]) -> None:
+        pin = self.device.type == "cuda"
+        self.stored = {id(b): b.stored(self.dump_dtype, pin) for b in batches}
+
+    def step(self, batch: Batch) -> Tensor:
+        return self.train(self.stored[id(batch)].to(self.device))
 
 
 class SpecForgeTrainer:
@@ -299,8 +369,12 @@ class Run:
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work and, under DDP, for every rank: a clock started or
+    stopped here times the same steps on all of them."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def free(device: torch.device) -> None:
@@ -309,19 +383,19 @@ def free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def timed_run(build: Callable[[], OurTrainer | SpecForgeTrainer], batches: list[Batch],
+def timed_run(build: Callable[[], Trainer], batches: list[Batch],
               warmup: int, steps: int, device: torch.device) -> Run:
     """Build a trainer, warm it up, time `steps` steps. The peak counts what the trainer
-    allocates over what existed before it (the shared inputs and weights), plus one batch;
-    the loss is the mean over the last pass through the batches."""
+    allocates over what existed before it (the shared inputs and weights), plus one batch
+    where the trainer reads the shared one on the device; the loss is the mean over the last
+    pass through the batches."""
     free(device)
     cuda = device.type == "cuda"
     if cuda:
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
     trainer = build()
-    if isinstance(trainer, SpecForgeTrainer):
-        trainer.prepare(batches)
+    trainer.prepare(batches)
     losses = []
     for i in range(warmup + steps):
         if i == warmup:
@@ -330,7 +404,9 @@ def timed_run(build: Callable[[], OurTrainer | SpecForgeTrainer], batches: list[
         losses.append(trainer.step(batches[i % len(batches)]))
     synchronize(device)
     seconds = time.perf_counter() - t0
-    peak = (torch.cuda.max_memory_allocated(device) - before + batches[0].nbytes) if cuda else 0
+    # A stored feed allocates its device batch in its steps: already counted.
+    held = 0 if isinstance(trainer, StoredTrainer) else batches[0].nbytes
+    peak = (torch.cuda.max_memory_allocated(device) - before + held) if cuda else 0
     loss = torch.stack(losses[-len(batches):]).mean().item()
     del trainer, losses
     free(device)
@@ -383,13 +459,64 @@ class Result:
     tokens_per_s: float
     peak_gib: float
     loss: float
-    flops_per_s: float  # the model's (train_flops)
 
 
-def summarize(runs: list[Run], flops_per_token: float) -> Result:
-    tokens_per_s = sum(r.tokens for r in runs) / sum(r.seconds for r in runs)
-    return Result(tokens_per_s, max(r.peak for r in runs) / 2**30,
-                  sum(r.loss for r in runs) / len(runs), tokens_per_s * flops_per_token)
+def summarize(runs: list[Run]) -> Result:
+    return Result(sum(r.tokens for r in runs) / sum(r.seconds for r in runs),
+                  max(r.peak for r in runs) / 2**30, sum(r.loss for r in runs) / len(runs))
+
+
+Arm = TypeVar("Arm")
+
+
+def abba(arms: list[Arm], repeats: int) -> Iterator[Arm]:
+    """`repeats` runs of every arm, in the order A B, B A, A B, ...: a drift in the machine's
+    speed (clocks, heat, neighbours) falls on all arms alike."""
+    for r in range(repeats):
+        yield from (arms if r % 2 == 0 else arms[::-1])
+
+
+def training_arguments(parser: argparse.ArgumentParser, steps: int, warmup: int) -> None:
+    """The arguments every training bench takes: the draft's shape, where it runs, and how much
+    is timed."""
+    parser.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
+    parser.add_argument("--shape", choices=sorted(SHAPES),
+                        help="the draft's shape (default llama-8b)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--steps", type=int, default=steps, help="timed steps per run")
+    parser.add_argument("--warmup", type=int, default=warmup,
+                        help="untimed steps first (compiles)")
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="runs of each arm, alternating ABBA (A B, B A, ...)")
+    parser.add_argument("--batches", type=int, default=4,
+                        help="distinct random batches, cycled through")
+    parser.add_argument("--ttt", type=int, default=7)
+    parser.add_argument("--lr", type=float, default=1e-4)
+
+
+def checked_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Shape:
+    """The shape training_arguments asked for, once they make sense (else parser.error)."""
+    if min(args.steps, args.repeats, args.batches, args.ttt) < 1 or args.warmup < 0:
+        parser.error("--steps, --repeats, --batches and --ttt must be >= 1, --warmup >= 0")
+    if args.tiny and args.shape:
+        parser.error("--tiny is a shape of its own: give --tiny or --shape")
+    return shape_of(args)
+
+
+def shape_of(args: argparse.Namespace) -> Shape:
+    return TINY if args.tiny else SHAPES[args.shape or "llama-8b"]
+
+
+def bench_device(kind: str, index: int = 0) -> torch.device:
+    """Where a run trains: GPU `index`, made current, or the CPU with one thread (CPU runs are
+    the tiny smoke runs: their tensors gain nothing from threads, and on a busy machine
+    spinning OpenMP threads make a step take seconds instead of ~20 ms)."""
+    if kind == "cuda":
+        device = torch.device("cuda", index)
+        torch.cuda.set_device(device)
+        return device
+    torch.set_num_threads(1)
+    return torch.device(kind)
 
 
 def specforge_missing() -> str | None:
@@ -402,103 +529,93 @@ def specforge_missing() -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny shape (runs on CPU)")
-    parser.add_argument("--shape", choices=sorted(SHAPES),
-                        help="the draft's shape (default llama-8b)")
+    training_arguments(parser, steps=20, warmup=3)
     parser.add_argument("--seq-lens", default="",
                         help="comma-separated sequence lengths (default: 2048,4096; 32,64 with "
                              "--tiny)")
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per run")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (compiles)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="runs per trainer and length, alternating ours/theirs ABBA")
-    parser.add_argument("--batches", type=int, default=4,
-                        help="distinct random batches, cycled through")
-    parser.add_argument("--ttt", type=int, default=7)
-    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--no-specforge", action="store_true", help="run ours alone")
+    parser.add_argument("--compare-storage", action="store_true",
+                        help="instead of SpecForge: ours fed from batches stored as bf16 and "
+                             "as fp8, alternating ABBA (issue 16)")
     parser.add_argument("--specforge-backend", default="flex_attention",
                         choices=("flex_attention", "sdpa"))
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    if min(args.steps, args.repeats, args.batches, args.ttt) < 1 or args.warmup < 0:
-        parser.error("--steps, --repeats, --batches and --ttt must be >= 1, --warmup >= 0")
-
-    if args.tiny and args.shape:
-        parser.error("--tiny is a shape of its own: give --tiny or --shape")
-    shape = TINY if args.tiny else SHAPES[args.shape or "llama-8b"]
+    shape = checked_shape(parser, args)
     seq_lens = [int(s) for s in (args.seq_lens or ("32,64" if args.tiny else "2048,4096"))
                 .split(",")]
     if min(seq_lens) <= args.ttt:
         parser.error(f"sequence lengths must exceed --ttt {args.ttt}")
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        # CPU runs are the tiny smoke run: its tensors gain nothing from threads, and on a
-        # busy machine spinning OpenMP threads make a step take seconds instead of ~20 ms.
-        torch.set_num_threads(1)
-    skipped = "--no-specforge" if args.no_specforge else specforge_missing()
+    device = bench_device(args.device)
+    skipped = ("--compare-storage" if args.compare_storage else
+               "--no-specforge" if args.no_specforge else specforge_missing())
     max_len = max(seq_lens) + args.ttt
 
     target = random_target(shape, device)
     weights = initial_weights(shape, target, max_len, device)
-    config_dir = Path(tempfile.mkdtemp(prefix="eagle3d-bench-train-"))
-    atexit.register(shutil.rmtree, config_dir, ignore_errors=True)
-    trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]] = {
-        "ours": lambda: OurTrainer(shape, target, weights, max_len, args.lr, args.ttt, device)}
-    if skipped is None:
-        trainers["specforge"] = lambda: SpecForgeTrainer(
-            shape, target, weights, max_len, args.lr, args.ttt, device, args.specforge_backend,
-            config_dir)
+    config_dir = temporary_folder("eagle3d-bench-train-")
+    common = (shape, target, weights, max_len, args.lr, args.ttt, device)
+    trainers: dict[str, Callable[[], Trainer]] = {
+        "ours": functools.partial(OurTrainer, *common)}
+    if args.compare_storage:
+        trainers = {name: functools.partial(StoredTrainer, dtype, *common)
+                    for name, dtype in STORAGE.items()}
+    elif skipped is None:
+        trainers["specforge"] = functools.partial(SpecForgeTrainer, *common,
+                                                  args.specforge_backend, config_dir)
 
     peak = matmul_peak(device)
     results = measure(trainers, seq_lens, batches=lambda n: random_batches(
-        shape, n, args.batches, device), flops_per_token=lambda n: train_flops(
-        shape, n, args.ttt) / n, warmup=args.warmup, steps=args.steps, repeats=args.repeats,
-        device=device)
+        shape, n, args.batches, device), warmup=args.warmup, steps=args.steps,
+        repeats=args.repeats, device=device)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"draft {shape.name} (hidden {shape.hidden}, intermediate {shape.intermediate}, "
           f"heads {shape.heads}/{shape.kv_heads} of dim {shape.head_dim}, draft vocab "
           f"{shape.draft_vocab} of {shape.vocab}, rope theta {shape.rope_theta:g}), TTT "
           f"{args.ttt}, batch 1, bf16, {where}; {args.warmup} warm-up + {args.steps} timed steps "
-          f"x {args.repeats} runs; SpecForge "
-          f"{args.specforge_backend if skipped is None else 'skipped'}")
+          f"x {args.repeats} runs; "
+          + ("ours fed from batches held on the host as bf16 and as fp8 dumps store them, "
+             "copied and decoded at every step" if args.compare_storage else
+             f"SpecForge {args.specforge_backend if skipped is None else 'skipped'}"))
     print(f"MFU: the model's FLOPs per second (bench/gpu_train.py train_flops) over the bf16 "
           f"matmul peak measured here, {peak / 1e12:.3g} TFLOP/s")
-    report(results, seq_lens, list(trainers), peak)
-    if skipped is not None:
+    table(results, seq_lens, list(trainers), lambda n: train_flops(shape, n, args.ttt) / n / peak)
+    if args.compare_storage:
+        judge_storage(results, seq_lens)
+    elif skipped is None:
+        judge_specforge(results, seq_lens)
+    else:
         print(f"comparison with SpecForge skipped ({skipped})")
     return 0 if all(isinstance(r, Result) for r in results.values()) else 1
 
 
-def measure(trainers: dict[str, Callable[[], OurTrainer | SpecForgeTrainer]],
-            seq_lens: list[int], batches: Callable[[int], list[Batch]],
-            flops_per_token: Callable[[int], float], warmup: int, steps: int, repeats: int,
-            device: torch.device) -> dict[tuple[int, str], Result | str]:
+def measure(trainers: dict[str, Callable[[], Trainer]],
+            seq_lens: list[int], batches: Callable[[int], list[Batch]], warmup: int, steps: int,
+            repeats: int, device: torch.device) -> dict[tuple[int, str], Result | str]:
     """Per (length, trainer), its figures or why it failed; runs alternate ABBA."""
     results: dict[tuple[int, str], Result | str] = {}
     for seq_len in seq_lens:
         inputs = batches(seq_len)
         runs: dict[str, list[Run]] = {name: [] for name in trainers}
-        for r in range(repeats):
-            for name in (list(trainers) if r % 2 == 0 else list(trainers)[::-1]):
-                if isinstance(results.get((seq_len, name)), str):
-                    continue  # failed once at this length: its other runs would too
-                try:
-                    runs[name].append(timed_run(trainers[name], inputs, warmup, steps, device))
-                except Exception as exc:  # one trainer failing must not lose the other's figure
-                    traceback.print_exc()
-                    results[seq_len, name] = f"failed: {type(exc).__name__}"
+        for name in abba(list(trainers), repeats):
+            if isinstance(results.get((seq_len, name)), str):
+                continue  # failed once at this length: its other runs would too
+            try:
+                runs[name].append(timed_run(trainers[name], inputs, warmup, steps, device))
+            except Exception as exc:  # one trainer failing must not lose the other's figure
+                traceback.print_exc()
+                results[seq_len, name] = f"failed: {type(exc).__name__}"
         for name, done in runs.items():
             if done and (seq_len, name) not in results:
-                results[seq_len, name] = summarize(done, flops_per_token(seq_len))
+                results[seq_len, name] = summarize(done)
         del inputs
         free(device)
     return results
 
 
-def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
-           names: list[str], peak: float) -> None:
-    """The table, then (with SpecForge) the judged ratios, last."""
+def table(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
+          names: list[str], mfu_per_token: Callable[[int], float]) -> None:
+    """A row per length and trainer: its figures, or why it failed; `mfu_per_token(T)` is the
+    model's FLOPs per token at length T over the measured peak."""
     print(f"{'T':>6}  {'trainer':<10}{'tokens/s':>10}{'peak GiB':>10}{'loss':>9}{'MFU':>8}")
     for seq_len in seq_lens:
         for name in names:
@@ -507,9 +624,12 @@ def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
                 print(f"{seq_len:>6}  {name:<10}{res:>29}")
             else:
                 print(f"{seq_len:>6}  {name:<10}{res.tokens_per_s:>10.0f}"
-                      f"{res.peak_gib:>10.2f}{res.loss:>9.4f}{res.flops_per_s / peak:>8.3f}")
-    if "specforge" not in names:
-        return
+                      f"{res.peak_gib:>10.2f}{res.loss:>9.4f}"
+                      f"{res.tokens_per_s * mfu_per_token(seq_len):>8.3f}")
+
+
+def judge_specforge(results: dict[tuple[int, str], Result | str], seq_lens: list[int]) -> None:
+    """Ours against SpecForge per length, then the verdict over all of them, last."""
     verdicts = []
     for seq_len in seq_lens:
         ours, theirs = results[seq_len, "ours"], results[seq_len, "specforge"]
@@ -527,6 +647,26 @@ def report(results: dict[tuple[int, str], Result | str], seq_lens: list[int],
               f"{'met' if verdicts[-1] else 'not met'}")
     print(f"goal (>= 1.2x SpecForge's tokens/s at <= its peak memory, loss no worse) at every "
           f"length: {'met' if all(verdicts) else 'not met'}")
+
+
+
+def judge_storage(results: dict[tuple[int, str], Result | str], seq_lens: list[int]) -> None:
+    """fp8 / bf16 tokens/s per length, then the lowest of them, the judged figure, last."""
+    ratios = {}
+    for seq_len in seq_lens:
+        bf16, fp8 = results[seq_len, "bf16"], results[seq_len, "fp8"]
+        if isinstance(bf16, Result) and isinstance(fp8, Result):
+            ratios[seq_len] = fp8.tokens_per_s / bf16.tokens_per_s
+            print(f"fp8 / bf16 tokens/s T={seq_len}: {ratios[seq_len]:.3f} (peak "
+                  f"{fp8.peak_gib:.2f} vs {bf16.peak_gib:.2f} GiB; loss {fp8.loss:.4f} vs "
+                  f"{bf16.loss:.4f})")
+    lengths = ",".join(map(str, seq_lens))
+    if len(ratios) < len(seq_lens):
+        print(f"fp8 / bf16 tokens/s, lowest over T={lengths}: n/a (a run failed)")
+        return
+    lowest = min(ratios.values())
+    print(f"fp8 / bf16 tokens/s, lowest over T={lengths}: {lowest:.3f} (goal >= "
+          f"{STORAGE_GOAL}): {'met' if lowest >= STORAGE_GOAL else 'not met'}")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ class TrainStage:
             self.child = Child("evaluate", eval_argv(self.cfg), self.pid_dir)
         else:
             self.phase = "training"
+            train_files.clear_refusal(self.dir)
             self.child = Child("trainer", trainer_argv(
                 self.cfg, layout.config_in_force(self.cfg.paths.state_dir)), self.pid_dir)
 
@@ -104,13 +105,16 @@ class TrainStage:
             return
         if code == entry.OK and name == "trainer":
             return  # trained and exported: the next step evaluates
+        refused = self._refusal(name, code)
+        if refused is not None:
+            code = refused.code
+        said = f"{name} exited with code {code}" + (f": {refused.reason}" if refused else "")
         self.restarts += 1
         if code == entry.CONTRACT_MISMATCH or self.restarts > self.cfg.train.max_restarts:
-            why = ("the target is not the dataset's model" if code == entry.CONTRACT_MISMATCH
-                   else f"{self.restarts} times ([train] max_restarts = "
-                        f"{self.cfg.train.max_restarts})")
-            self.failure = f"{name} exited with code {code}, {why}; see the log"
-            if name == "trainer" and self.cfg.train.nnodes > 1:
+            self.failure = said + ("" if code == entry.CONTRACT_MISMATCH else
+                                   f", {self.restarts} times ([train] max_restarts = "
+                                   f"{self.cfg.train.max_restarts})") + "; see the log"
+            if name == "trainer" and self.cfg.train.nnodes > 1 and refused is None:
                 self.failure += (f" (all {self.cfg.train.nnodes} nodes must take part: is "
                                  "`eagle3d train-node` running on every other node?)")
             self.phase = "failed"
@@ -119,10 +123,18 @@ class TrainStage:
             return
         delay = min(60.0, 2.0 ** self.restarts)
         self.retry_at = time.time() + delay
-        detail = (f"{name} exited with code {code}: restarting from its last checkpoint in "
-                  f"{delay:.0f} s (restart {self.restarts} of {self.cfg.train.max_restarts})")
+        detail = (f"{said}: restarting from its last checkpoint in {delay:.0f} s (restart "
+                  f"{self.restarts} of {self.cfg.train.max_restarts})")
         log.warning("%s", detail)
         self.ledger.event("train_restart", detail)
+
+    def _refusal(self, name: str, code: int) -> train_files.Refused | None:
+        """Why the child refused to run, if it did: what the trainer's refusing rank wrote down
+        (torchrun exits 1 whatever its ranks exit with), or what a contract mismatch means."""
+        refused = train_files.read_refusal(self.dir) if name == "trainer" else None
+        if refused is None and code == entry.CONTRACT_MISMATCH:
+            return train_files.Refused(code, "the target is not the dataset's model")
+        return refused
 
     def unblock(self) -> None:
         self.failure = None

@@ -1,7 +1,8 @@
 """Train the EAGLE-3 drafter: `torchrun --nproc_per_node N -m eagle3d.drafter.train -c CONFIG`.
 
 Reads the verified dataset (refusing one that no longer matches the ledger or a target that is
-not the dataset's, with the exit codes of statemachine/entry.py), builds
+not the dataset's, with the exit codes of statemachine/entry.py, also written to refusal.json
+since torchrun turns them into 1), builds
 or reloads the draft vocabulary, trains with the training-time test under DDP, checkpoints every
 [train] checkpoint_every steps and on SIGTERM, resumes from the last checkpoint of the same
 manifest, and ends with `export/` (SGLang layout), `metrics.jsonl` and `metrics.png` in the
@@ -457,6 +458,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     rt = init_runtime(cfg)
     try:
         return train(cfg, rt)
+    except Refusal as exc:
+        # Under torchrun the exit code reaches the daemon as 1: the file says what it was.
+        train_files.write_refusal(cfg.paths.train_dir, train_files.Refused(exc.code, str(exc)))
+        raise
     finally:
         if rt.world > 1 and dist.is_initialized():
             dist.destroy_process_group()

@@ -77,6 +77,11 @@ def eval_file(train_dir: Path) -> Path:
     return Path(train_dir) / "eval.json"
 
 
+def refusal_file(train_dir: Path) -> Path:
+    """Why the trainer refused to train (statemachine/train_files.py)."""
+    return Path(train_dir) / "refusal.json"
+
+
 def done_file(train_dir: Path) -> Path:
     """The marker tying the drafter to the manifest it was trained on (train_files.py)."""
     return Path(train_dir) / "done.json"

@@ -1,6 +1,7 @@
 """The files through which training talks to the daemon, both ends of each: `progress.json`
-(the trainer writes, the daemon and eagle3ctl read), `eval.json` (the evaluation writes, the
-daemon reads) and `done.json` (the daemon's marker tying the drafter to its manifest).
+(the trainer writes, the daemon and eagle3ctl read), `refusal.json` (a refusing trainer rank
+writes, the daemon reads), `eval.json` (the evaluation writes, the daemon reads) and
+`done.json` (the daemon's marker tying the drafter to its manifest).
 
 Every file is replaced atomically, so a reader sees a whole file or none; a missing or damaged
 one reads as None, never as an exception.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +63,35 @@ def trained_for(train_dir: Path, fingerprint: str) -> bool:
     progress = read_progress(train_dir)
     return (progress.get("status") == DONE and progress.get("manifest_fingerprint") == fingerprint
             and (layout.export_dir(train_dir) / "config.json").exists())
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A trainer's refusal: its exit code (statemachine/entry.py) and the reason it logged."""
+    code: int
+    reason: str
+
+
+# torchrun exits 1 whatever code its workers exit with, so a refusal cannot reach the daemon
+# through the exit code: the refusing rank writes it down here, in the one folder that the
+# daemon and node 0's ranks share, and the daemon clears it before each start.
+def write_refusal(train_dir: Path, refused: Refused) -> None:
+    """The trainer's end (every rank that refuses: which one does depends on the check)."""
+    Path(train_dir).mkdir(parents=True, exist_ok=True)
+    _write(layout.refusal_file(train_dir), {"code": refused.code, "reason": refused.reason})
+
+
+def read_refusal(train_dir: Path) -> Refused | None:
+    """The daemon's end, once the trainer has exited: its refusal, or None."""
+    doc = _read(layout.refusal_file(train_dir))
+    if doc is None or not isinstance(doc.get("code"), int):
+        return None
+    return Refused(doc["code"], str(doc.get("reason", "")))
+
+
+def clear_refusal(train_dir: Path) -> None:
+    """Before a trainer starts: only its own refusal may count."""
+    layout.refusal_file(train_dir).unlink(missing_ok=True)
 
 
 def write_eval(path: Path, report: dict[str, Any]) -> None:

@@ -72,3 +72,14 @@ def test_generate_bench_prints_the_writer_to_plain_ratio_last():
     lines = run_bench("gpu_generate.py", "--tiny")
     assert ratio(lines[-1], "writer/plain generate throughput ratio") > 0
     assert [line.split(":")[0].strip() for line in lines[:2]] == ["writer", "plain"]
+
+
+def test_train_bench_compares_fp8_with_bf16_storage_and_prints_the_ratio_last():
+    lines = run_bench("gpu_train.py", "--tiny", "--compare-storage", "--seq-lens", "32",
+                      "--steps", "2", "--warmup", "1", "--repeats", "2", "--batches", "2")
+    assert ratio(lines[-1], "fp8 / bf16 tokens/s, lowest over T=32") > 0
+    assert "(goal >= 0.98)" in lines[-1]
+    rows = [line.split() for line in lines if re.match(r"\s+32\s", line)]
+    assert [row[1] for row in rows] == ["bf16", "fp8"], lines
+    assert not any("SpecForge skipped" in line for line in lines)
+

@@ -13,6 +13,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu_train.py"
@@ -78,3 +79,24 @@ def test_finds_eagle3d_without_the_editable_install(tmp_path):
     mapped = [Path(p).resolve() for p in out.stdout.split()]
     assert mapped == [ROOT / "statemachine", ROOT / "daemon", ROOT / "capture", ROOT / "drafter"]
     assert not Path(note.group(2)).exists()  # removed at exit
+
+
+def test_a_stored_feed_holds_the_dump_encoding_on_the_host_and_decodes_it_per_step():
+    """--compare-storage's fp8 run really trains on fp8: the batch it keeps is e4m3 with its
+    scales, and what a step trains on is that, decoded (close to the bf16 states, not them)."""
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_train
+    cpu, tiny = torch.device("cpu"), gpu_train.TINY
+    batch = gpu_train.random_batches(tiny, 32, 1, cpu)[0]
+    target = gpu_train.random_target(tiny, cpu)
+    weights = gpu_train.initial_weights(tiny, target, 40, cpu)
+    trainer = gpu_train.StoredTrainer("float8_e4m3fn", tiny, target, weights, 40, 0.0, 3, cpu)
+    trainer.prepare([batch])
+    stored = trainer.stored[id(batch)]
+    assert stored.states["aux_hidden_states"].dtype == torch.float8_e4m3fn
+    assert stored.states["aux_hidden_states_scale"].shape == (1, 32, 3)
+    fed = stored.to(cpu)
+    error = (fed.aux.float() - batch.aux.float()).norm() / batch.aux.float().norm()
+    assert 0 < error < 2 ** -4
+    assert torch.equal(fed.targets, batch.targets) and fed.tokens == 32
+    assert math.isfinite(trainer.step(batch).item())

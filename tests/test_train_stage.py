@@ -1,17 +1,20 @@
-"""The train stage without torchrun: its children are small real processes that exit as a
-trainer or an evaluation would, and the stage's answers to each exit are checked."""
+"""The train stage: its children are small real processes that exit as a trainer or an
+evaluation would, and the stage's answers to each exit are checked; and once the real trainer
+under torchrun, refusing its target."""
 
 from __future__ import annotations
 
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
 from eagle3d.daemon import train_stage
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.statemachine import entry, layout, train_files
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine import manifest as manifest_mod
+from eagle3d.statemachine.config import load_config, write_in_force
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
 from tests.pipeline import wait_for
@@ -35,9 +38,9 @@ def stage(config_factory, monkeypatch):
     ledger.close()
 
 
-def step_until_idle(stage: TrainStage) -> None:
+def step_until_idle(stage: TrainStage, seconds: float = 30) -> None:
     stage.step(TRAIN)
-    wait_for(lambda: stage.step(TRAIN) or stage.child is None, 30, "the child's exit")
+    wait_for(lambda: stage.step(TRAIN) or stage.child is None, seconds, "the child's exit")
 
 
 def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
@@ -57,6 +60,46 @@ def test_a_target_that_is_not_the_datasets_fails_at_once(stage):
                         lambda cfg, path: exits_with(entry.CONTRACT_MISMATCH))
     step_until_idle(stage)
     assert stage.restarts == 1 and "not the dataset's model" in stage.failure
+
+
+def test_a_refusal_left_by_an_earlier_trainer_does_not_count(stage):
+    stage, cfg, monkeypatch = stage
+    train_files.write_refusal(cfg.paths.train_dir, train_files.Refused(
+        entry.CONTRACT_MISMATCH, "an earlier trainer's target"))
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    step_until_idle(stage)
+    assert stage.failure is None and stage.retry_at > time.time()
+
+
+@pytest.mark.slow
+def test_a_contract_refusal_under_torchrun_fails_the_stage_with_its_reason(config_factory,
+                                                                            tmp_path):
+    """torchrun exits 1 whatever code its workers exit with: the real trainer, two gloo
+    processes, refuses a target whose weights were replaced after the capture, and the stage
+    must still see CONTRACT_MISMATCH and stop with the trainer's reason, not restart it."""
+    import torch
+    from drafter_fixtures import contract_for, planned_sample, record_dataset
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"the weights the dataset was captured with")
+    cfg = load_config(config_factory({
+        "target": {"model": str(target), "device": "cpu"},
+        "train": {"nproc": 2, "device": "cpu", "threads": 1, "max_restarts": 3}}))
+    shape = SimpleNamespace(hidden_size=8, num_hidden_layers=4, vocab_size=64)
+    sample = planned_sample(0, list(range(16)), [1] * 16, torch.randn(16, 24), torch.randn(16, 8))
+    record_dataset(tmp_path, contract_for(str(target), target, shape, "transformers"), [sample])
+    (target / "model.safetensors").write_bytes(b"other weights, written over the file in place")
+    write_in_force(cfg)
+    fingerprint = manifest_mod.read(cfg.paths.dataset_dir)["fingerprint"]
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        stage = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: fingerprint)
+        step_until_idle(stage, 300)
+        assert stage.status()["status"] == "failed", stage.status()
+        assert stage.restarts == 1 and stage.retry_at == 0
+        assert "exited with code 3" in stage.failure
+        assert "is not the model this dataset was captured with" in stage.failure
+        assert [detail for _, kind, detail in ledger.events_of(("train_failed", "train_restart"))
+                ] == [stage.failure]
 
 
 def test_a_finished_training_is_evaluated_and_marked_done(stage):
