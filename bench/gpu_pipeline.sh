@@ -6,7 +6,8 @@
 # each stage's wall time, the trainer's tokens/s and the acceptance length last; the figures go
 # to OUTDIR/summary.json with the dataset's bytes per token. DUMP_DTYPE is [extract] dump_dtype:
 # run it once with bfloat16 and once with float8_e4m3fn (other OUTDIRs) to compare the drafters.
-# DEVICE=cpu runs it (tiny) without a GPU.
+# DEVICE=cpu runs it (tiny) without a GPU; EVAL_LIMIT (default 100) is the held-out conversations
+# read for the acceptance length. Several runs may share the machine: each has its own spool.
 #
 #   [DEVICE=cpu] bench/gpu_pipeline.sh MODEL.gguf CONVERSATIONS OUTDIR [LIMIT] [EPOCHS] [RESPONSES]
 #                                      [DUMP_DTYPE]
@@ -31,7 +32,7 @@ max_turns = 2
 batch_size = 256
 [paths]
 state_dir = "$out/state"
-spool_dir = "/dev/shm/eagle3d-gpu-pipeline-$responses"
+spool_dir = "/dev/shm/eagle3d-gpu-pipeline-$(basename "$out")"
 dataset_dir = "$out/dataset"
 train_dir = "$out/train"
 [budget]
@@ -57,9 +58,10 @@ warmup_steps = 30
 checkpoint_every = 500
 [eval]
 first = $((limit + 100))
-limit = 48
+limit = ${EVAL_LIMIT:-100}
 steps = 5
 max_new_tokens = 128
+batch_size = 50
 TOML
 started=$(date +%s)
 eagle3d run -c "$out/gpu.toml" --until done

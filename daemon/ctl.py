@@ -279,7 +279,7 @@ def cmd_events(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     import subprocess
     argv = [sys.executable, "-m", "eagle3d.drafter.evaluate", "-c", str(cfg.path)]
-    for flag in ("drafter", "source", "first", "limit", "steps", "max_new_tokens"):
+    for flag in ("drafter", "source", "first", "limit", "steps", "max_new_tokens", "batch_size"):
         value = getattr(args, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
@@ -358,6 +358,7 @@ def _eval_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--limit", type=int)
     s.add_argument("--steps", type=int)
     s.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
+    s.add_argument("--batch-size", dest="batch_size", type=int)
     s.add_argument("--json", action="store_true")
 
 

@@ -131,9 +131,11 @@ def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab:
     ids, held = _padded(prompts, dev)  # held: the target's cache slots each row uses
     positions = (held.cumsum(1) - 1).clamp(min=0)
     cache = DynamicCache()
-    logits = target(input_ids=ids, attention_mask=held.long(), position_ids=positions,
-                    past_key_values=cache, use_cache=True).logits
-    newest = logits[rows, held.sum(1) - 1].argmax(-1)  # [B]: each row's token not yet cached
+    # The head only where each prompt ends: over every prompt position, the logits of a batch
+    # would take gigabytes.
+    hidden = target.model(input_ids=ids, attention_mask=held.long(), position_ids=positions,
+                          past_key_values=cache, use_cache=True).last_hidden_state
+    newest = target.lm_head(hidden[rows, held.sum(1) - 1]).argmax(-1)  # [B]: not yet cached
     results = [Decoded(tokens=[int(t)]) for t in newest.tolist()]
     active = [max_new > 1 and r.tokens[0] not in eos for r in results]
     # The drafter reads, at position i, the target's feature of i and the token i + 1.
