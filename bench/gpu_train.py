@@ -25,7 +25,7 @@ tests).
 `--compare-storage` runs our trainer twice instead, fed as drafter/train.py feeds it from the
 dataset: each batch held on the host (pinned on CUDA) as bf16 dumps store it, or as fp8 dumps do
 (dataset/precision.py's encoding), and copied and decoded on the device at every step by
-data.StoredBatch.to, inside the timed loop. Judged by (issue 16)
+data.StoredBatch.to, inside the timed loop. Judged by
 
     fp8 / bf16 tokens/s   (goal: >= 0.98, the lowest over the lengths)
 
@@ -106,7 +106,7 @@ GRAD_CLIP = 0.5  # [train] grad_clip's default, and SpecForge's max_grad_norm
 OUT_OF_DRAFT_SCALE = 0.1
 LOSS_TOLERANCE = 0.01  # "no worse": within 1% (bf16 runs differ in the last bits)
 STORAGE = {"bf16": "bfloat16", "fp8": FP8}  # --compare-storage's runs: the dumps' dtypes
-STORAGE_GOAL = 0.98  # issue 16: fp8 storage keeps the training tokens/s within 2% of bf16's
+STORAGE_GOAL = 0.98  # fp8 storage must keep the training tokens/s within 2% of bf16's
 
 
 @dataclass(frozen=True)
@@ -536,7 +536,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-specforge", action="store_true", help="run ours alone")
     parser.add_argument("--compare-storage", action="store_true",
                         help="instead of SpecForge: ours fed from batches stored as bf16 and "
-                             "as fp8, alternating ABBA (issue 16)")
+                             "as fp8, alternating ABBA")
     parser.add_argument("--specforge-backend", default="flex_attention",
                         choices=("flex_attention", "sdpa"))
     args = parser.parse_args(argv)
