@@ -101,7 +101,7 @@ def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, t
             (restart,))]
         assert after, "nothing was extracted after the engine restart"
         paths = {sid: ledger.sample(sid).path for sid in after[:4]}
-    model = loading.load_model(SMOLLM_FILE, "bfloat16", "cpu")
+    model = loading.load_model(SMOLLM_FILE, cfg.target.dtype, "cpu")
     for sid, path in paths.items():
         dump = load_file(str(cfg.paths.dataset_dir / path))
         with torch.no_grad():
