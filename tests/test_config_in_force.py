@@ -52,14 +52,9 @@ SMOLLM_FILE = resolve_location(SMOLLM, REPO)
 
 def perturbed_model(folder: Path) -> Path:
     """SmolLM2 with noise on every MLP weight: the same shape, other weights."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    loaded = AutoModelForCausalLM.from_pretrained(SMOLLM_FILE.parent, gguf_file=SMOLLM_FILE.name,
-                                                  dtype=torch.bfloat16)
-    # A GGUF-loaded model cannot be saved: copy its weights into a plain model of its config.
-    config = loaded.config
-    config.quantization_config = None
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.load_state_dict(loaded.state_dict())
+    # Through the loader's converted folder: transformers parses the GGUF file again at every
+    # load from it (tens of seconds each for the weights and the tokenizer).
+    model = loading.load_model(SMOLLM_FILE, "bfloat16", "cpu")
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, weight in model.named_parameters():
@@ -67,14 +62,13 @@ def perturbed_model(folder: Path) -> Path:
                 noise = torch.randn(weight.shape, generator=generator) * weight.float().std()
                 weight.add_(noise.to(weight.dtype))
     model.save_pretrained(folder)
-    AutoTokenizer.from_pretrained(SMOLLM_FILE.parent,
-                                  gguf_file=SMOLLM_FILE.name).save_pretrained(folder)
+    loading.load_tokenizer(SMOLLM_FILE).save_pretrained(folder)
     return folder
 
 
 @pytest.mark.slow
 def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, tmp_path):
-    config = messages_config(config_factory, tmp_path, 40)
+    config = messages_config(config_factory, tmp_path, 8)
     edited = perturbed_model(tmp_path / "edited-model")
     with DaemonProcess(config, "--until", "extract") as d:  # the plan only
         assert d.wait(300) == 0, d.output()[-4000:]
@@ -82,7 +76,7 @@ def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, t
     control.submit(load_config(config).paths.state_dir, "pause", {"reason": "model swap"})
     with DaemonProcess(config, "--until", "train") as d:
         st = d.status_until(lambda s: s["engine"].get("status") == "ready", 300, "the engine")
-        assert st["samples"]["pending"] == 40
+        assert st["samples"]["pending"] == 8
         edit_config(config, "target", model=str(edited))
         d.proc.send_signal(signal.SIGHUP)
         st = d.status_until(lambda s: "reload refused" in (s.get("config_problem") or ""), 60,
@@ -107,7 +101,7 @@ def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, t
             (restart,))]
         assert after, "nothing was extracted after the engine restart"
         paths = {sid: ledger.sample(sid).path for sid in after[:4]}
-    model = loading.load_model(SMOLLM_FILE, "bfloat16", "cpu")
+    model = loading.load_model(SMOLLM_FILE, cfg.target.dtype, "cpu")
     for sid, path in paths.items():
         dump = load_file(str(cfg.paths.dataset_dir / path))
         with torch.no_grad():

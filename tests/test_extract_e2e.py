@@ -53,7 +53,7 @@ def test_every_sample_extracted_once_and_equal_to_an_independent_forward(config_
         from safetensors.torch import load_file
 
         from eagle3d.target.loading import load_model
-        model = load_model(cfg.target.model_path, "bfloat16", "cpu")
+        model = load_model(cfg.target.model_path, cfg.target.dtype, "cpu")
         for row in rows[:3]:
             dump = load_file(str(cfg.paths.dataset_dir / row.path))
             ids = dump["input_ids"].long()[None]

@@ -68,11 +68,11 @@ def test_sighup_adds_samples_and_refuses_a_contract_change(config_factory, tmp_p
     with DaemonProcess(config, "--until", "train") as d:
         d.status_until(lambda s: s["samples"]["total"] == 8 and s["stage"] == "extract", 300,
                        "the first plan")
-        edit_config(config, "target", dtype="float32")
+        edit_config(config, "target", dtype="bfloat16")
         d.proc.send_signal(signal.SIGHUP)
         st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refusal")
         assert "dtype" in st["config_problem"] and "contract" in st["config_problem"]
-        edit_config(config, "target", dtype="bfloat16")
+        edit_config(config, "target", dtype="float32")
         edit_config(config, "extract", dump_dtype="float8_e4m3fn")  # half the bytes, mid-dataset
         d.proc.send_signal(signal.SIGHUP)
         d.status_until(lambda s: "stays in force: dump_dtype would break the dataset's capture "

@@ -241,7 +241,8 @@ def audit(config: Path, planned: int, trained: bool) -> int:
     items = [Expected(id=r.id, path=str(cfg.paths.dataset_dir / r.path), tokens=r.tokens,
                       loss_tokens=r.loss_tokens, ids_hash=r.ids_hash, checksum=r.checksum or "",
                       contract_fingerprint=contract["fingerprint"],
-                      hidden_size=contract["hidden_size"], dtype=contract["dtype"])
+                      hidden_size=contract["hidden_size"],
+                      dtype=capture_contract.dump_dtype(contract))
              for r in rows]
     for sid, problem, _ in verify_many(items, 2):
         if problem:

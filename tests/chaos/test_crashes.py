@@ -274,7 +274,11 @@ def test_kill_9_at_random_moments_and_full_disks_lose_nothing(config_factory, tm
         budget={"reserve": "1MiB", "spool_max": "64MiB"},
         extract={"batch_tokens": 128, "max_inflight_tokens": 256, "max_attempts": 3},
         # Two ranks make the rank kill a real partial failure and every resume a DDP resume.
-        train={"nproc": 2, "epochs": 1000.0, "max_steps": 10 * SCALE + 80})
+        # Steps: each train life is killed a checkpoint and a step or two past where it resumed
+        # (10 is ample), and the life that loses a rank and its checkpoint disk resumes twice
+        # from its last checkpoint before it trains to the end (20 is ample); a step past those
+        # is training that nothing waits for.
+        train={"nproc": 2, "epochs": 1000.0, "max_steps": 10 * SCALE + 20})
     c = Campaign(config, rng, figures)
     try:
         c.run(data_fs, train_fs)
