@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from eagle3d.capture.planner import plan_batch
+from eagle3d.capture.planner import END_MARGIN, plan_batch, room_for_answer
 from eagle3d.dataset import contract
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.target import loading
@@ -39,10 +39,6 @@ from eagle3d.statemachine.lifecycle import die_with_parent
 
 log = logging.getLogger("eagle3d.generator")
 
-# Tokens kept free after an answer for the end-of-turn marker the chat template adds.
-END_MARGIN = 8
-# An answer shorter than this is not worth starting: the conversation ends before that turn.
-MIN_ANSWER = 16
 PROGRESS_EVERY_S = 10.0
 # A batch is taken from this many batches' worth of the next conversations, shortest prompts
 # first: a batch decodes padded to its longest prompt, and one long prompt among short ones made
@@ -104,7 +100,7 @@ class Writer:
         text = self.tokenizer.apply_chat_template(conv + taken, tokenize=False,
                                                   add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        if len(ids) + MIN_ANSWER + END_MARGIN > self.max_tokens:
+        if not room_for_answer(len(ids), self.max_tokens):
             left.clear()
             return None
         conv.extend(taken)

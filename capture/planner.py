@@ -51,8 +51,17 @@ PROGRESS_EVERY_S = 5.0
 HEAD_CHARS_PER_TOKEN = 5
 # BPE on a cut text can differ from the full text only around the cut; this margin covers that.
 HEAD_MARGIN = 64
-# Room a first prompt must leave for the target's answer, or the conversation is skipped.
-GENERATE_MIN_TOKENS = 16
+# Where the target writes the answers: an answer shorter than MIN_ANSWER is not worth starting,
+# and END_MARGIN tokens stay free after it for the end-of-turn marker the chat template adds.
+MIN_ANSWER = 16
+END_MARGIN = 8
+
+
+def room_for_answer(prompt_tokens: int, max_tokens: int) -> bool:
+    """Whether a prompt leaves room for an answer within [data] max_tokens: the planner skips a
+    conversation whose first prompt does not, and the generator ends one at the turn that
+    does not (one rule, or a conversation planned is one the generator cannot start)."""
+    return prompt_tokens + MIN_ANSWER + END_MARGIN <= max_tokens
 
 
 def _hash(text: str) -> str:
@@ -265,7 +274,7 @@ def plan_prompts(tokenizer: Any, convs: Sequence[Conversation],
             skipped.append((conv.idx, first))
             continue
         n = len(tokenizer.backend_tokenizer.encode(first.text, add_special_tokens=False).ids)
-        if n + GENERATE_MIN_TOKENS > max_tokens:
+        if not room_for_answer(n, max_tokens):
             skipped.append((conv.idx, f"first prompt over max_tokens ({n} tokens)"))
             continue
         prompts.append(Prompt(sample_id(kept), conv.idx, json.dumps(kept, ensure_ascii=False)))

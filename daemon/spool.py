@@ -124,7 +124,7 @@ class Spool:
                                  for e in os.scandir(entry.path))
             else:
                 self.offer(name)
-        for name in remove_dead_temps(self.folder):
+        for name in remove_dead_temps(self.folder, (e.name for e in entries)):
             log.info("removed %s: its writer is gone", name)
         self.bytes_waiting = total
 

@@ -110,8 +110,9 @@ class TrainStage:
             code = refused.code
         said = f"{name} exited with code {code}" + (f": {refused.reason}" if refused else "")
         self.restarts += 1
-        if code == entry.CONTRACT_MISMATCH or self.restarts > self.cfg.train.max_restarts:
-            self.failure = said + ("" if code == entry.CONTRACT_MISMATCH else
+        final = code in (entry.REFUSED, entry.CONTRACT_MISMATCH)  # the same input, the same no
+        if final or self.restarts > self.cfg.train.max_restarts:
+            self.failure = said + ("" if final else
                                    f", {self.restarts} times ([train] max_restarts = "
                                    f"{self.cfg.train.max_restarts})") + "; see the log"
             if name == "trainer" and self.cfg.train.nnodes > 1 and refused is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterable
 
 
 def temp_path(path: Path) -> Path:
@@ -20,17 +21,19 @@ def writer_pid(name: str) -> int | None:
     return None
 
 
-def remove_dead_temps(folder: str | os.PathLike) -> list[str]:
+def remove_dead_temps(folder: str | os.PathLike, names: Iterable[str] | None = None) -> list[str]:
     """Remove the temp files whose writer is gone (killed between its write and its rename:
-    nothing else would ever remove them); returns their names."""
+    nothing else would ever remove them); returns their names. `names`: the folder's entries
+    where the caller has just listed it (a spool of a million dumps is not listed twice)."""
+    folder = Path(folder)
     removed = []
-    for path in Path(folder).glob(".*.tmp"):
-        pid = writer_pid(path.name)
+    for name in (p.name for p in folder.glob(".*.tmp")) if names is None else names:
+        pid = writer_pid(name)
         if pid is None or _alive(pid):
             continue
         try:
-            path.unlink()
-            removed.append(path.name)
+            (folder / name).unlink()
+            removed.append(name)
         except FileNotFoundError:
             pass
     return removed

@@ -6,6 +6,7 @@ because the capture is the slow part.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -138,12 +139,16 @@ def cached_dataset(n: int, first: int = 0, max_tokens: int = 512,
     root = Path(tempfile.gettempdir()) / f"eagle3d-drafter-fixture-{key}"
     if (root / "done").exists():
         return root
-    shutil.rmtree(root, ignore_errors=True)
-    tmp = root.with_name(root.name + f".{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    build_dataset(tmp, n, first, max_tokens, dump_dtype)
-    (tmp / "done").write_text("ok")
-    os.rename(tmp, root)
+    # Test processes running side by side build it once: the others wait on the lock.
+    with open(root.with_name(root.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (root / "done").exists():
+            shutil.rmtree(root, ignore_errors=True)
+            tmp = root.with_name(root.name + f".{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            build_dataset(tmp, n, first, max_tokens, dump_dtype)
+            (tmp / "done").write_text("ok")
+            os.rename(tmp, root)
     return root
 
 

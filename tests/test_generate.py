@@ -10,6 +10,8 @@ import pytest
 from safetensors.torch import load_file
 
 from eagle3d.capture.generator import Writer
+from eagle3d.capture.planner import plan_prompts
+from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import GenerateConfig, load_config
 from eagle3d.statemachine.ledger import Ledger
@@ -84,7 +86,9 @@ def test_a_conversation_that_keeps_killing_the_generator_fails_with_its_reason(c
                                 s["generate"].get("pid"), 600, "the generator at work")
             subprocess.run(["kill", "-9", str(st["generate"]["pid"])], check=True)
             wait_for(lambda: status(config)["samples"]["generating"] == 0, 60, "the requeue")
-        st = d.status_until(lambda s: s["samples"]["failed"] == 2, 120, "two failed samples")
+        # The ledger counts the failures before the daemon's next step moves the stage on.
+        st = d.status_until(lambda s: s["samples"]["failed"] == 2 and s["stage"] != "generate",
+                            120, "two failed samples and the stage moved on")
         assert st["stage"] == "verify" and "retry" in st["reason"]
         failed = ctl(config, "samples", "--status", "failed", "--json")
         assert all("generator exited with code -9" in row["error"]
@@ -106,3 +110,29 @@ def test_max_turns_ends_each_conversation_after_that_many_answers(config_factory
         writer = Writer(model, tokenizer, GenerateConfig(max_new_tokens=8, max_turns=max_turns),
                         256)
         assert [m["role"] for m in writer.answer([prompt], seed=0)[0]] == roles
+
+
+def test_every_planned_prompt_gets_an_answer_and_a_prompt_without_room_is_skipped(
+        config_factory, tmp_path):
+    """Around the limit, the planner and the generator agree: a first prompt that leaves no room
+    for an answer is skipped at planning with its reason; the one a token shorter is answered
+    (the demo once planned a 490-token prompt at max_tokens 512 that the generator could not
+    start: a sample failed three times and the training gate stayed closed)."""
+    cfg = load_config(target_config(config_factory, tmp_path, 1))
+    model = loading.load_model(cfg.target.model_path, "float32", "cpu")
+    tokenizer = loading.load_tokenizer(cfg.target.model_path)
+    conv = Conversation(0, ({"role": "user", "content": "Say yes. " * 40},))
+    rendered = tokenizer.apply_chat_template(list(conv.messages), tokenize=False,
+                                             add_generation_prompt=True)
+    prompt_tokens = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    for max_tokens in range(prompt_tokens + 20, prompt_tokens + 30):
+        prompts, skipped = plan_prompts(tokenizer, [conv], max_tokens)
+        answered = Writer(model, tokenizer, GenerateConfig(max_new_tokens=4), max_tokens).answer(
+            [list(conv.messages)], seed=0)[0]
+        if prompts:
+            assert [m["role"] for m in answered] == ["user", "assistant"], max_tokens
+        else:
+            assert skipped == [(0, f"first prompt over max_tokens ({prompt_tokens} tokens)")]
+            assert answered == []
+    assert plan_prompts(tokenizer, [conv], prompt_tokens + 20)[0] == []
+    assert plan_prompts(tokenizer, [conv], prompt_tokens + 30)[0] != []

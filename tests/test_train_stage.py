@@ -62,6 +62,16 @@ def test_a_target_that_is_not_the_datasets_fails_at_once(stage):
     assert stage.restarts == 1 and "not the dataset's model" in stage.failure
 
 
+def test_a_refusing_evaluation_fails_at_once_not_after_max_restarts(stage):
+    stage, cfg, monkeypatch = stage
+    monkeypatch.setattr(train_files, "trained_for", lambda folder, fingerprint: True)
+    monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.REFUSED))
+    step_until_idle(stage)
+    assert stage.restarts == 1 and stage.retry_at == 0
+    assert stage.failure == "evaluate exited with code 2; see the log"
+    assert stage.status()["status"] == "failed"
+
+
 def test_a_refusal_left_by_an_earlier_trainer_does_not_count(stage):
     stage, cfg, monkeypatch = stage
     train_files.write_refusal(cfg.paths.train_dir, train_files.Refused(
