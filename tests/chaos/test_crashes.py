@@ -25,7 +25,7 @@ import pytest
 from eagle3d.daemon import control
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
-from tests.chaos.conftest import SCALE, SEED
+from tests.chaos.figures import SCALE, SEED
 from tests.chaos.harness import (audit, chaos_config, counts, describe, end, events_after, kill9,
                                   last_event, life_child, life_state, orphans_after_kill,
                                   rank_processes, trainer_progress, until)
