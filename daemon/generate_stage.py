@@ -79,7 +79,7 @@ class GenerateStage:
         self.restarts += 1
         self.ledger.event("generator_exit", f"code {code}, {len(held)} conversations returned")
         limit = self.cfg.extract.engine_max_restarts
-        if code in (entry.REFUSED, entry.CONTRACT_MISMATCH):
+        if code in entry.FINAL:
             self.problem = f"the generator refused to run (exit {code}); see the log"
         elif self.restarts > limit:
             self.problem = (f"the generator exited {self.restarts} times ([extract] "

@@ -110,7 +110,7 @@ class TrainStage:
             code = refused.code
         said = f"{name} exited with code {code}" + (f": {refused.reason}" if refused else "")
         self.restarts += 1
-        final = code in (entry.REFUSED, entry.CONTRACT_MISMATCH)  # the same input, the same no
+        final = code in entry.FINAL
         if final or self.restarts > self.cfg.train.max_restarts:
             self.failure = said + ("" if final else
                                    f", {self.restarts} times ([train] max_restarts = "

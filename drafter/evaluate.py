@@ -15,6 +15,7 @@ reported as such (exit code DIVERGED, statemachine/entry.py).
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import random
@@ -75,13 +76,16 @@ def _finish(tokens: list[int], max_new: int, eos: set[int]) -> list[int]:
     return out
 
 
+@functools.cache
+def _cache_name(cls: type) -> str:
+    """What `cls.forward` calls its key/value cache: newer transformers name it `cache` (the
+    older `past_key_values` warns on every call and is to go in 5.40), earlier releases know
+    only `past_key_values`. Read once per class, not on every decoded token."""
+    return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
+
+
 def _cached(module: Any, cache: Any) -> dict[str, Any]:
-    """The key/value cache as `module`'s forward takes it: newer transformers name it `cache`
-    (the older `past_key_values` warns on every call and is to go in 5.40), earlier releases
-    know only `past_key_values`."""
-    name = "cache" if "cache" in inspect.signature(module.forward).parameters else \
-        "past_key_values"
-    return {name: cache, "use_cache": True}
+    return {_cache_name(type(module)): cache, "use_cache": True}
 
 
 @torch.inference_mode()

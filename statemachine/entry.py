@@ -20,6 +20,8 @@ DIVERGED = 1
 REFUSED = 2
 # The target or the config does not match the dataset's capture contract.
 CONTRACT_MISMATCH = 3
+# Exits a restart cannot change: the same input meets the same refusal.
+FINAL = (REFUSED, CONTRACT_MISMATCH)
 
 
 class Refusal(Exception):
