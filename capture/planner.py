@@ -81,7 +81,10 @@ def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, 
     text_config = model_config.get_text_config() if hasattr(model_config, "get_text_config") \
         else model_config
     num_layers = text_config.num_hidden_layers
-    layer_ids = list(cfg.target.aux_layers or contract.default_layer_ids(num_layers))
+    try:
+        layer_ids = list(cfg.target.aux_layers or contract.default_layer_ids(num_layers))
+    except ValueError as exc:
+        raise ConfigError(f"{cfg.path}: [target.aux_layers] {exc}") from None
     bad = [i for i in layer_ids if not 1 <= i < num_layers]
     if bad:
         raise ConfigError(f"{cfg.path}: [target.aux_layers] {layer_ids}: ids must be between 1 and "

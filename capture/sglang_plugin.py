@@ -21,6 +21,7 @@ tells our requests from others (SGLang's warm-up and health checks use their own
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -117,22 +118,46 @@ class RequestSlice:
     states: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class HostBatch:
+    """One forward batch's requests, on their way to the host: their rows may be read only after
+    `arrived()` returns (the device-to-host copy runs behind the forward)."""
+    slices: list[RequestSlice]
+    arrived: Callable[[], None]
+
+
 def _ints(values: Any) -> list[int]:
     return [int(v) for v in (values.tolist() if hasattr(values, "tolist") else values)]
 
 
-def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend_start_loc: Any,
-                       extend_seq_lens: Any, input_ids: Any, aux_hidden: Any, last_hidden: Any,
-                       extend_prefix_lens: Any, dump_dtype: str) -> list[RequestSlice]:
+def copy_to_host(tensors: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+    """Host copies of `tensors` and a function that returns once they hold the data. On a GPU
+    the copy goes into pinned memory without blocking, queued on the forward's own stream (so it
+    reads the states before any later kernel can change them) and the forward runs on at once:
+    a synchronous copy made SGLang's scheduler wait for the GPU on every prefill."""
+    import torch
+    if not any(t.is_cuda for t in tensors.values()):
+        return {k: t.to("cpu") for k, t in tensors.items()}, lambda: None
+    host = {k: torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for k, t in tensors.items()}
+    done = torch.cuda.Event()
+    done.record()
+    return host, done.synchronize
+
+
+def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend_seq_lens: Any,
+                       input_ids: Any, aux_hidden: Any, last_hidden: Any,
+                       extend_prefix_lens: Any, dump_dtype: str) -> HostBatch:
     """Cut one forward batch into its requests. SGLang lays an EXTEND batch out as the requests'
-    new tokens end to end: request i owns rows [extend_start_loc[i], + extend_seq_lens[i]) of
-    `input_ids` and of every hidden state (rows past the last request are padding). `aux_hidden`
-    is one [N, K*H] tensor or a list of K [N, H] tensors (SGLang passes either, by model).
-    The states are encoded in `dump_dtype` where they are (the GPU) and copied to the host once
-    for the whole batch. Any other forward mode yields nothing: its rows are not a prompt's
-    prefill."""
+    new tokens end to end: request i owns the `extend_seq_lens[i]` rows after the requests
+    before it, of `input_ids` and of every hidden state (rows past the last request are
+    padding). The lengths are SGLang's host copy (`extend_seq_lens_cpu`): reading its device
+    tensors here would wait for the GPU. `aux_hidden` is one [N, K*H] tensor or a list of K
+    [N, H] tensors (SGLang passes either, by model). The states are encoded in `dump_dtype` where
+    they are (the GPU) and copied to the host once for the whole batch. Any other forward mode
+    yields nothing: its rows are not a prompt's prefill."""
     if not forward_mode_is_extend:
-        return []
+        return HostBatch([], lambda: None)
     import torch
     # Imported here, as torch is: eagle3ctl imports this module (through the launcher) and no
     # numpy.
@@ -142,27 +167,27 @@ def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend
                            "(set_eagle3_layers_to_capture was not applied)")
     if isinstance(aux_hidden, (list, tuple)):
         aux_hidden = torch.cat(list(aux_hidden), dim=-1)
-    starts, lens = _ints(extend_start_loc), _ints(extend_seq_lens)
-    prefixes = _ints(extend_prefix_lens)
-    if not len(rids) == len(starts) == len(lens) == len(prefixes):
-        raise CaptureError(f"batch fields disagree: {len(rids)} request ids, {len(starts)} start "
-                           f"locations, {len(lens)} lengths, {len(prefixes)} prefix lengths")
+    lens, prefixes = _ints(extend_seq_lens), _ints(extend_prefix_lens)
+    if not len(rids) == len(lens) == len(prefixes):
+        raise CaptureError(f"batch fields disagree: {len(rids)} request ids, {len(lens)} "
+                           f"lengths, {len(prefixes)} prefix lengths")
     if last_hidden.dim() != 2 or aux_hidden.dim() != 2 or input_ids.dim() != 1:
         raise CaptureError(f"unexpected ranks: input_ids {tuple(input_ids.shape)}, aux "
                            f"{tuple(aux_hidden.shape)}, last {tuple(last_hidden.shape)}")
     if aux_hidden.shape[1] % last_hidden.shape[1]:
         raise CaptureError(f"aux hidden width {aux_hidden.shape[1]} is not a multiple of the "
                            f"hidden size {last_hidden.shape[1]}")
-    end = max((s + n for s, n in zip(starts, lens)), default=0)
+    starts = list(itertools.accumulate(lens, initial=0))
     rows = min(input_ids.shape[0], aux_hidden.shape[0], last_hidden.shape[0])
-    if end > rows:
-        raise CaptureError(f"requests span {end} tokens but the batch holds {rows} rows "
+    if starts[-1] > rows:
+        raise CaptureError(f"requests span {starts[-1]} tokens but the batch holds {rows} rows "
                            "(hidden states sharded or pruned before the logits processor?)")
-    stored = {name: t.to("cpu")
-              for name, t in precision.encode_states(aux_hidden, last_hidden, dump_dtype).items()}
-    ids = input_ids.to("cpu")
-    return [RequestSlice(rid, prefix, ids[s:s + n], {k: t[s:s + n] for k, t in stored.items()})
-            for rid, s, n, prefix in zip(rids, starts, lens, prefixes)]
+    host, arrived = copy_to_host({"input_ids": input_ids, **precision.encode_states(
+        aux_hidden, last_hidden, dump_dtype)})
+    ids = host.pop("input_ids")
+    return HostBatch([RequestSlice(rid, prefix, ids[s:s + n],
+                                   {k: t[s:s + n] for k, t in host.items()})
+                      for rid, s, n, prefix in zip(rids, starts, lens, prefixes)], arrived)
 
 
 # ---- writing dumps -----------------------------------------------------------------------------
@@ -213,12 +238,12 @@ class DumpWriter:
         self.contract = contract
         self.loss_masks = loss_masks
         self.written = 0
-        self._queue: queue.Queue[list[RequestSlice] | None] = queue.Queue(WRITE_QUEUE_BATCHES)
+        self._queue: queue.Queue[HostBatch | None] = queue.Queue(WRITE_QUEUE_BATCHES)
         self._thread = threading.Thread(target=self._run, name="eagle3d-dumps", daemon=True)
         self._thread.start()
 
-    def put(self, slices: list[RequestSlice]) -> None:
-        self._queue.put(slices)
+    def put(self, batch: HostBatch) -> None:
+        self._queue.put(batch)
 
     def flush(self) -> None:
         self._queue.join()
@@ -229,8 +254,9 @@ class DumpWriter:
 
     def _run(self) -> None:
         while (batch := self._queue.get()) is not None:
-            for s in batch:
+            for s in batch.slices:
                 try:
+                    batch.arrived()  # the first call waits for the copy, the others return
                     self.write(s)
                 except Exception:  # one bad dump must not stop the others or the server
                     log.exception("eagle3d capture: no dump for request %s", s.rid)
@@ -261,7 +287,7 @@ class Capture:
         self.dump_dtype = dump_dtype
 
     def on_forward(self, forward_mode_is_extend: bool, rids: Sequence[str] | None,
-                   extend_start_loc: Any, extend_seq_lens: Any, extend_prefix_lens: Any,
+                   extend_seq_lens: Any, extend_prefix_lens: Any,
                    input_ids: Any, aux_hidden: Any, last_hidden: Any) -> int:
         """Queue this batch's dumps; returns how many requests were queued."""
         if not forward_mode_is_extend or not rids:
@@ -279,8 +305,9 @@ class Capture:
         if isinstance(aux_hidden, (list, tuple)) and len(aux_hidden) != self.num_layers:
             raise CaptureError(f"the model captured {len(aux_hidden)} layers, the contract "
                                f"names {self.num_layers}")
-        slices = split_extend_batch(True, rids, extend_start_loc, extend_seq_lens, input_ids,
-                                    aux_hidden, last_hidden, extend_prefix_lens, self.dump_dtype)
+        batch = split_extend_batch(True, rids, extend_seq_lens, input_ids, aux_hidden,
+                                   last_hidden, extend_prefix_lens, self.dump_dtype)
+        slices = batch.slices
         width = slices[0].states[AUX].shape[1] if slices else 0
         if slices and width != self.num_layers * slices[0].states[LAST].shape[1]:
             raise CaptureError(f"aux hidden width {width} is not {self.num_layers} layers of "
@@ -296,7 +323,7 @@ class Capture:
                 continue
             keep.append(s)
         if keep:
-            self.writer.put(keep)
+            self.writer.put(HostBatch(keep, batch.arrived))
         return len(keep)
 
 
@@ -488,7 +515,7 @@ def _before_logits(processor: Any, *args: Any, **kwargs: Any) -> None:
     if rids is None:
         return
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    _capture.on_forward(batch.forward_mode == ForwardMode.EXTEND, rids, batch.extend_start_loc,
-                        batch.extend_seq_lens, batch.extend_prefix_lens_cpu, batch.input_ids,
+    _capture.on_forward(batch.forward_mode == ForwardMode.EXTEND, rids,
+                        batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu, batch.input_ids,
                         bound.get("aux_hidden_states"), bound["hidden_states"])
 

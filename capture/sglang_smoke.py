@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import signal
@@ -118,18 +119,17 @@ def cosines(got, ref) -> tuple[float, float]:
     return round(cos.min().item(), 5), round(cos.mean().item(), 5)
 
 
-def compare(model, spool: Path, sid: str, ids: list[int], layer_ids: list[int],
+def compare(model, path: Path, sid: str, ids: list[int], layer_ids: list[int],
             fingerprint: str) -> tuple[list[str], dict]:
-    """Problems with one dump (empty when it matches the transformers reference) and the
-    figures: per captured part, (min, mean) cosine per token against the reference layer and
+    """Problems with the dump at `path` (empty when it matches the transformers reference) and
+    the figures: per captured part, (min, mean) cosine per token against the reference layer and
     against its neighbours, which must score clearly lower (no off-by-one). An fp8 dump is
     dequantized first, and its floors are lowered by what quantization alone may cost: with
     ‖q(x) − x‖ ≤ u‖x‖, the cosine of x and q(x) is at least √(1 − u²) (0.998)."""
     import torch
     from safetensors.torch import load_file
-    path = spool / dumpformat.dump_name(sid)
     if not path.exists():
-        return [f"{sid}: no dump in {spool}"], {}
+        return [f"{sid}: no dump at {path}"], {}
     header = dumpformat.read_header(path)
     problems = [] if header.contract == fingerprint else [f"{sid}: contract {header.contract}"]
     dump = load_file(str(path))
@@ -203,9 +203,37 @@ def synthetic(count: int, tokens: int, vocab: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(tokens)] for _ in range(count)]
 
 
+def check_dataset(config_path: Path, count: int) -> tuple[list[str], dict]:
+    """The dumps a finished run wrote to its dataset (the daemon's own extraction, by whichever
+    engine its config names) against transformers' forward of the same token ids: the first
+    `count` verified samples, by plan order."""
+    from eagle3d.statemachine.config import load_config
+    cfg = load_config(config_path)
+    captured = contract_mod.read_checked(cfg.paths.dataset_dir)
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
+        verified = list(itertools.islice(ledger.iter_samples("verified"), count))
+        planned = ledger.plan_tokens([s.id for s in verified])
+    if not verified:
+        return [f"no verified sample in {cfg.paths.state_dir}"], {}
+    model = loading.load_model(cfg.target.model_path, captured["dtype"], "auto")
+    problems: list[str] = []
+    figures: dict = {}
+    for sample in verified:
+        raw = planned[sample.id][0]
+        ids = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
+        found, figures[sample.id] = compare(model, cfg.paths.dataset_dir / sample.path,
+                                            sample.id, ids, captured["layer_ids"],
+                                            captured["fingerprint"])
+        problems += found
+    return problems, {"engine": cfg.target.engine, "dumps": figures}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="a small Llama: HF folder or hub name")
+    ap.add_argument("--model", help="a small Llama: HF folder or hub name")
+    ap.add_argument("--dataset", type=Path, metavar="CONFIG",
+                    help="instead of starting SGLang: compare the dataset of this config's "
+                         "finished run with transformers (--samples of its verified samples)")
     ap.add_argument("--python", default=sys.executable, help="the interpreter with SGLang")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--port", type=int, default=30777)
@@ -223,6 +251,11 @@ def main(argv: list[str] | None = None) -> int:
                          "capture over this many rounds of 128 synthetic 1024-token prompts")
     ap.add_argument("--summary", type=Path, default=None, help="write the figures here (JSON)")
     args = ap.parse_args(argv)
+    if args.dataset:
+        problems, summary = check_dataset(args.dataset, args.samples)
+        return report(problems, summary, args.summary)
+    if not args.model:
+        ap.error("--model or --dataset is required")
 
     problem = check_version(args.python)
     if problem:
@@ -269,15 +302,19 @@ def main(argv: list[str] | None = None) -> int:
     model = loading.load_model(model_path, args.dtype, "auto")
     summary["dumps"] = {}
     for sid, ids in samples.items():
-        found, figures = compare(model, paths.spool_dir, sid, ids, layer_ids,
-                                 contract["fingerprint"])
+        found, figures = compare(model, paths.spool_dir / dumpformat.dump_name(sid), sid, ids,
+                                 layer_ids, contract["fingerprint"])
         problems += found
         summary["dumps"][sid] = {"tokens": len(ids), **figures}
+    return report(problems, summary, args.summary)
+
+
+def report(problems: list[str], summary: dict, out: Path | None) -> int:
     for p in problems:
         print("PROBLEM", p)
     summary["problems"] = problems
-    if args.summary:
-        args.summary.write_text(json.dumps(summary, indent=1))
+    if out:
+        out.write_text(json.dumps(summary, indent=1))
     print("SMOKE TEST", "FAILED" if problems else "PASSED")
     return 1 if problems else 0
 

@@ -35,8 +35,13 @@ BINDING = ("format", "target", "target_fingerprint", "tokenizer_fingerprint",
 
 def default_layer_ids(num_layers: int) -> list[int]:
     """EAGLE-3's usual capture for an N-layer target, in our convention: [2, N//2, N-3]
-    (what SGLang captures by default for Llama)."""
-    return [2, num_layers // 2, num_layers - 3]
+    (what SGLang captures by default for Llama). Below 8 layers these are not three increasing
+    layers: ValueError."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if not ids[0] < ids[1] < ids[2]:
+        raise ValueError(f"a {num_layers}-layer target has no default capture ({ids} is not "
+                         "three increasing layer ids): list them in [target] aux_layers")
+    return ids
 
 
 def dump_dtype(contract: dict[str, Any]) -> str:

@@ -47,6 +47,12 @@ def test_default_capture_maps_to_what_sglang_captures(arch, num_layers, expected
     assert layers.draft_config_layer_ids(contract_ids, arch) == expected
 
 
+def test_a_target_too_shallow_for_the_default_capture_is_told_to_list_its_layers():
+    assert default_layer_ids(8) == [2, 4, 5]
+    with pytest.raises(ValueError, match="6-layer target has no default capture"):
+        default_layer_ids(6)
+
+
 def test_deepseek_default_ids_also_hold_under_the_older_rule():
     ids = layers.sglang_layer_ids([2, 30, 58], "DeepseekV3ForCausalLM")
     assert sglang_deepseek_before_0_5_13(ids) == [2, 30, 58]

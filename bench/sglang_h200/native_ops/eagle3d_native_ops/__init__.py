@@ -2,9 +2,11 @@
 MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) runs its pure-torch forward_native, and
 SGLang's JIT KV-cache store is off (it falls back to indexing). Without it the first prefill
 fails: `ninja: error: .../flashinfer/data/csrc/norm.cu missing`. Never install it next to a
-production server: it trades speed for running anywhere."""
+production server: it trades speed for running anywhere. EAGLE3D_NATIVE_OPS=0 turns it off (run.sh's
+kernels step, with flashinfer's JIT sources restored)."""
 
 import logging
+import os
 
 log = logging.getLogger("eagle3d_native_ops")
 
@@ -21,6 +23,8 @@ def _no_jit_store(*args, **kwargs):
 
 
 def register():
+    if os.environ.get("EAGLE3D_NATIVE_OPS") == "0":
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     HookRegistry.register(OPS_TARGET, _native, HookType.REPLACE)
     HookRegistry.register(KV_STORE_TARGET, _no_jit_store, HookType.REPLACE)
