@@ -27,6 +27,9 @@ def main() -> int:
         qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, first_k_dense_replace=1,
         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=256,
         n_group=1, topk_group=1, routed_scaling_factor=2.827, num_nextn_predict_layers=0,
+        # Keys of DeepSeek-V3's own config.json that transformers does not define and SGLang reads.
+        moe_layer_freq=1, topk_method="noaux_tc", scoring_func="sigmoid", seq_aux=True,
+        aux_loss_alpha=0.001, ep_size=1, rope_theta=10000.0,
         max_position_embeddings=4096, tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     torch.manual_seed(0)

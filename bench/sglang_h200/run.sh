@@ -10,7 +10,7 @@
 #   pipeline  the daemon with engine = "sglang": plan → extract → verify → train → done
 #   compare   the pipeline's dataset (the daemon's own SGLang dumps) vs transformers
 #   serve     the exported drafter served by SGLang as an EAGLE-3 draft (serve.py)
-#   kernels   the smoke test again with SGLang's own fused kernels instead of native torch ops:
+#   kernels   smoke and mla again with SGLang's own fused kernels instead of native torch ops:
 #             flashinfer's JIT sources from $FI_DATA (build_bundle.sh's fi-data.tar.xz)
 set -euo pipefail
 here=$(dirname "$(realpath "$0")")
@@ -45,7 +45,9 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
     serve) python3 "$here/serve.py" "$work/pipeline/sglang.toml" "$work/out" \
         "${SERVER_ARGS[@]}" ;;
     kernels) [ -e "$work/site/flashinfer/data" ] || tar xJf "${FI_DATA:?the path of fi-data.tar.xz}" -C "$work/site"
-      EAGLE3D_NATIVE_OPS=0 smoke "$work/model" kernels.json --overhead 3 ;;
+      EAGLE3D_NATIVE_OPS=0 smoke "$work/model" kernels.json --overhead 3
+      [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
+      EAGLE3D_NATIVE_OPS=0 smoke "$work/mla" mla-kernels.json ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done

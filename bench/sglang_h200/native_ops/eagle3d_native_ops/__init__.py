@@ -1,9 +1,9 @@
 """Smoke-only SGLang plugin for a bundle without the kernel libraries' JIT sources: every
-MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) runs its pure-torch forward_native, and
-SGLang's JIT KV-cache store is off (it falls back to indexing). Without it the first prefill
-fails: `ninja: error: .../flashinfer/data/csrc/norm.cu missing`. Never install it next to a
-production server: it trades speed for running anywhere. EAGLE3D_NATIVE_OPS=0 turns it off (run.sh's
-kernels step, with flashinfer's JIT sources restored)."""
+MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) but the MoE router runs its pure-torch
+forward_native, and SGLang's JIT KV-cache store is off (it falls back to indexing). Without it
+the first prefill fails: `ninja: error: .../flashinfer/data/csrc/norm.cu missing`. Never install
+it next to a production server: it trades speed for running anywhere. EAGLE3D_NATIVE_OPS=0 turns
+it off (run.sh's kernels step, with flashinfer's JIT sources restored)."""
 
 import logging
 import os
@@ -14,8 +14,13 @@ OPS_TARGET = "sglang.srt.layers.utils.multi_platform.MultiPlatformOp.dispatch_fo
 KV_STORE_TARGET = "sglang.kernels.ops.kvcache.kvcache.can_use_store_cache"
 
 
+# SGLang's mixture-of-experts routing keeps its CUDA path (sgl_kernel's, which the bundle has):
+# its native path left out the routed scaling factor on a DeepSeek-V3 model (docs/sglang.md).
+KEEP_CUDA = ("TopK",)
+
+
 def _native(op):
-    return op.forward_native
+    return op.forward_cuda if type(op).__name__ in KEEP_CUDA else op.forward_native
 
 
 def _no_jit_store(*args, **kwargs):
