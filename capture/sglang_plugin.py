@@ -294,6 +294,9 @@ class Capture:
             return 0
         if not any(request_sample(r) for r in rids):
             return 0  # health checks and warm-up: nothing to copy off the GPU
+        if extend_seq_lens is None:
+            raise CaptureError("SGLang gave an EXTEND batch without host-side lengths "
+                               "(extend_seq_lens_cpu is None)")
         if extend_prefix_lens is None:
             # SGLang leaves extend_prefix_lens_cpu unset on some paths (GPU-only batches). Zero
             # cached tokens is then known only because the radix cache is off, nothing else.

@@ -7,6 +7,8 @@ a real ledger. SGLang itself cannot run here; these batches stand in for its for
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +18,7 @@ from safetensors.torch import load_file
 
 from eagle3d.dataset import dumpformat, precision
 from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, Capture, CaptureError,
-                                           CaptureSettings, DumpWriter, check_layers,
+                                           CaptureSettings, DumpWriter, HostBatch, check_layers,
                                            handshake_problem, ledger_loss_masks, prepare,
                                            read_handshake, split_extend_batch)
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
@@ -154,6 +156,26 @@ def test_capture_writes_one_dump_per_planned_request_and_ignores_decode(tmp_path
     for ids in REQUESTS:
         check_dump(spool / dumpformat.dump_name(sample_id(ids)), ids, table)
     assert writer.written == len(REQUESTS)
+    writer.close()
+
+
+def test_writer_writes_a_batch_only_once_its_copy_has_arrived(tmp_path):
+    """On a GPU the rows reach the host behind the forward (the copy is only queued): the writer
+    must wait for the copy's event, and the forward must not wait at all."""
+    table = hidden_table()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, REQUESTS)))
+    batch = split_extend_batch(**extend_batch([(sample_id(ids), ids) for ids in REQUESTS],
+                                              table), dump_dtype="bfloat16")
+    copied = threading.Event()
+    writer.put(HostBatch(batch.slices, copied.wait))  # returns at once: nothing waits here
+    time.sleep(0.3)
+    assert list(spool.iterdir()) == []  # the rows have not arrived: nothing is written
+    copied.set()
+    writer.flush()
+    for ids in REQUESTS:
+        check_dump(spool / dumpformat.dump_name(sample_id(ids)), ids, table)
     writer.close()
 
 
