@@ -276,3 +276,21 @@ def test_refuses_a_dataset_that_does_not_match_the_ledger(tmp_path, data_root):
     assert run.returncode == 2
     assert "refusing to train" in run.stderr and "does not match" in run.stderr
     assert not (tmp_path / "train" / "export").exists()
+
+
+def test_the_reported_rate_holds_steady_through_one_slow_step_and_follows_a_lasting_change():
+    from eagle3d.drafter.train import RecentRate
+    rate, now = RecentRate(window_s=10.0), 0.0
+
+    def steps(count: int, seconds: float, tokens: float = 1000.0) -> float:
+        nonlocal now
+        for _ in range(count):
+            got = rate.add(now, now + seconds, tokens)
+            now += seconds
+        return got
+
+    assert steps(200, 0.1) == pytest.approx(10_000)
+    # One step that waited a second (its own rate: 1,000 tokens/s) is not a stall.
+    assert steps(1, 1.0) > 8_000
+    # A slowdown that lasts is reported once the window has moved past the old pace.
+    assert steps(100, 0.2) == pytest.approx(5_000, rel=0.05)

@@ -142,7 +142,10 @@ def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     errors = [e for e in events if e["event"] == "error"]
     assert set(done) == {sample_id(ids) for ids in samples}
     assert all(done[sample_id(ids)]["tokens"] == len(ids) for ids in samples)
-    assert all(e["seconds"] >= BATCH_WINDOW_S for e in done.values())
+    # Each answer says how long it took: the first request waited out a whole batching window
+    # (one that joined a batch late waits less: asserting the window for all of them was a race).
+    assert max(e["seconds"] for e in done.values()) >= BATCH_WINDOW_S
+    assert all(0 < e["seconds"] < 30 for e in done.values())
     assert [e["ids"] for e in errors] == [[sample_id(too_long)]]
     assert "HTTP 400" in errors[0]["error"] and "context length" in errors[0]["error"]
     # Requests were in flight together (the pool bounds them to 4) and shared prefills.
