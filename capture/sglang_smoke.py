@@ -35,7 +35,7 @@ from eagle3d.capture.sglang_plugin import ENV_TOKEN
 from eagle3d.statemachine.config import (DUMP_DTYPES, Config, DataConfig, PathsConfig,
                                          SGLangConfig, TargetConfig)
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.ledger import Ledger, PlannedSample, token_ids
 
 PROMPTS = ["What is the capital of France?",
            "Write a haiku about the sea.",
@@ -219,11 +219,9 @@ def check_dataset(config_path: Path, count: int) -> tuple[list[str], dict]:
     problems: list[str] = []
     figures: dict = {}
     for sample in verified:
-        raw = planned[sample.id][0]
-        ids = [int.from_bytes(raw[i:i + 4], "little", signed=True) for i in range(0, len(raw), 4)]
         found, figures[sample.id] = compare(model, cfg.paths.dataset_dir / sample.path,
-                                            sample.id, ids, captured["layer_ids"],
-                                            captured["fingerprint"])
+                                            sample.id, token_ids(planned[sample.id][0]),
+                                            captured["layer_ids"], captured["fingerprint"])
         problems += found
     return problems, {"engine": cfg.target.engine, "dumps": figures}
 

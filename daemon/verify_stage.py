@@ -22,7 +22,7 @@ from eagle3d.dataset import dumpformat
 from eagle3d.daemon.durability import SyncFs, doubt_settled, page_cache_doubt
 from eagle3d.statemachine import layout, manifest, stages
 from eagle3d.statemachine.config import Config
-from eagle3d.statemachine.ledger import Counts, Ledger
+from eagle3d.statemachine.ledger import Counts, Ledger, token_ids
 
 log = logging.getLogger("eagle3d")
 
@@ -191,10 +191,7 @@ def write_manifest(cfg: Config, ledger: Ledger, contract: dict[str, Any]) -> str
 
 def plan_batch_item(sid: str, ids: bytes, mask: bytes) -> dict[str, Any]:
     """A sample as the engine protocol carries it, from the ledger's planned tokens."""
-    import array
-    a = array.array("i")
-    a.frombytes(ids)
-    return {"id": sid, "input_ids": a.tolist(), "loss_mask": list(mask)}
+    return {"id": sid, "input_ids": token_ids(ids), "loss_mask": list(mask)}
 
 
 class VerifyStage:

@@ -7,9 +7,11 @@ kept by triggers in a tiny table, so `eagle3ctl status` costs the same at 1k and
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
 import sqlite3
+import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
@@ -124,6 +126,15 @@ class PlannedSample(NamedTuple):
     ids_hash: str
     input_ids: bytes  # little-endian int32
     loss_mask: bytes  # one byte per token
+
+
+def token_ids(raw: bytes) -> list[int]:
+    """A planned sample's token ids, from the little-endian int32 bytes the ledger keeps."""
+    ids = array.array("i")
+    ids.frombytes(raw)
+    if sys.byteorder == "big":
+        ids.byteswap()
+    return ids.tolist()
 
 
 class Prompt(NamedTuple):

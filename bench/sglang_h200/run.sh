@@ -26,6 +26,9 @@ smoke() {  # MODEL SUMMARY [ARG...]: capture/sglang_smoke.py as the daemon would
     --work "/dev/shm/eagle3d-smoke-$(basename "$2" .json)" --mem-fraction 0.3 \
     --summary "$work/out/$2" "${@:3}" $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}")
 }
+mla_model() {  # the random DeepSeek-V3 model, with SmolLM2's tokenizer, made once
+  [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
+}
 for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -36,8 +39,7 @@ for step in "$@"; do
 from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys.argv[1])))' "$gguf")" \
         "$work/model" ;;
     smoke) smoke "$work/model" smoke.json --overhead 5 ;;
-    mla) [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
-      smoke "$work/mla" mla.json ;;
+    mla) mla_model; smoke "$work/mla" mla.json ;;
     pipeline) "$here/pipeline.sh" "$work/model" "$conversations" "$work/pipeline" \
         "${SERVER_ARGS[@]}"; cp "$work/pipeline/summary.json" "$work/out/pipeline.json" ;;
     compare) python3 -m eagle3d.capture.sglang_smoke --dataset "$work/pipeline/sglang.toml" \
@@ -46,8 +48,7 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
         "${SERVER_ARGS[@]}" ;;
     kernels) [ -e "$work/site/flashinfer/data" ] || tar xJf "${FI_DATA:?the path of fi-data.tar.xz}" -C "$work/site"
       EAGLE3D_NATIVE_OPS=0 smoke "$work/model" kernels.json --overhead 3
-      [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
-      EAGLE3D_NATIVE_OPS=0 smoke "$work/mla" mla-kernels.json ;;
+      mla_model; EAGLE3D_NATIVE_OPS=0 smoke "$work/mla" mla-kernels.json ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
 done
