@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The demo's training recipe, compared on one dataset: retrains the dataset a finished
+# `make demo` left (var/demo) once per setting, each with only [train] keys changed, and prints
+# each one's held-out acceptance length last. Training is seeded, so the demo's own recipe
+# reproduces the demo's figure.
+#   bench/demo_recipe.sh "batch_tokens=2048 lr=1e-3" "batch_tokens=1024 lr=2e-3" ...
+set -euo pipefail
+repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
+py=$repo/.venv/bin/python
+in_force=$repo/var/demo/state/config.toml   # the config the demo's children ran with
+out=$repo/var/demo-recipe
+mkdir -p "$out"
+for setting in "$@"; do
+  name=$(echo "$setting" | tr ' =' '_-')
+  "$py" - "$in_force" "$out/$name.toml" "$out/$name" $setting <<'PY'
+import re, sys
+source, target, train_dir, *changes = sys.argv[1:]
+head, train = open(source).read().split("[train]", 1)
+head = re.sub(r'(?m)^train_dir = .*$', f'train_dir = "{train_dir}"', head)
+for change in changes:
+    key, value = change.split("=", 1)
+    train, n = re.subn(rf"(?m)^{key} = .*$", f"{key} = {value}", train, count=1)
+    if not n:
+        sys.exit(f"[train] has no key {key}")
+open(target, "w").write(head + "[train]" + train)
+PY
+  "$py" -m torch.distributed.run --standalone --nproc_per_node=1 -m eagle3d.drafter.train \
+    -c "$out/$name.toml" > "$out/$name.train.log" 2>&1
+  "$py" -m eagle3d.drafter.evaluate -c "$out/$name.toml" --json --out "$out/$name.eval.json" \
+    > "$out/$name.eval.log" 2>&1 || true  # exit 1 (not greedy) still writes its figures
+done
+for setting in "$@"; do
+  name=$(echo "$setting" | tr ' =' '_-')
+  "$py" -c 'import json, sys; e = json.load(open(sys.argv[1]))
+print(f"{sys.argv[2]}: acceptance length {e[\"acceptance_length\"]:.3f} "
+      f"({e[\"acceptance_length_ci95\"][0]:.3f}-{e[\"acceptance_length_ci95\"][1]:.3f}), "
+      f"identical to greedy {e[\"identical_to_greedy\"]}")' "$out/$name.eval.json" "$setting"
+done
