@@ -26,8 +26,9 @@ import torch
 from transformers import PreTrainedTokenizerFast
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from eagle3d.capture.generator import Writer
+from eagle3d.capture.generator import TransformersDecoder, Writer
 from eagle3d.statemachine.config import GenerateConfig
+from eagle3d.target.loading import stop_tokens
 from gpu_extract import LLAMA_8B, TINY, build_model
 
 TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -83,7 +84,9 @@ def main() -> None:
     batches = [prompts(args.batch, args.words, shape["vocab_size"], seed=b)
                for b in range(args.batches)]
     settings = GenerateConfig(max_new_tokens=args.new_tokens)
-    writer = Writer(model, tokenizer, settings, max_tokens=args.words * 4 + args.new_tokens)
+    eos = stop_tokens(tokenizer, model.generation_config)
+    writer = Writer(TransformersDecoder(model, tokenizer.pad_token_id, eos, settings), tokenizer,
+                    eos, settings, max_tokens=args.words * 4 + args.new_tokens)
     # The plain arm gets the writer's own padded ids, so both decode exactly the same inputs.
     padded = [[tokenizer(tokenizer.apply_chat_template(p, tokenize=False,
                                                        add_generation_prompt=True),

@@ -23,17 +23,18 @@ import logging
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from eagle3d.capture import sglang_client
 from eagle3d.capture.planner import END_MARGIN, plan_batch, room_for_answer
 from eagle3d.dataset import contract
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.target import loading
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, GenerateConfig
-from eagle3d.statemachine.entry import OK, child_main
+from eagle3d.statemachine.entry import OK, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.lifecycle import die_with_parent
 
@@ -46,16 +47,64 @@ PROGRESS_EVERY_S = 10.0
 CLAIM_WINDOW = 8
 
 
+class Decoder(Protocol):
+    """One batched decode: each prompt's new token ids, at most its `room`, up to and not
+    including a stop token where the decoder knows where one is."""
+
+    def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
+        ...
+
+
+class TransformersDecoder:
+    """The target loaded in this process: one left-padded `generate` with a KV cache."""
+
+    def __init__(self, model: Any, pad: int, eos: set[int], settings: GenerateConfig) -> None:
+        self.model, self.pad, self.eos, self.settings = model, pad, eos, settings
+
+    def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
+        device = self.model.device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        sample = self.settings.temperature > 0
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device),
+                max_new_tokens=max(rooms), do_sample=sample,
+                temperature=self.settings.temperature if sample else None,
+                top_p=self.settings.top_p if sample else None, top_k=None,
+                pad_token_id=self.pad, eos_token_id=sorted(self.eos))
+        return out[:, width:].tolist()
+
+
+class SGLangDecoder:
+    """The generate stage's SGLang server (daemon/generate_stage.py starts it): one batched
+    /generate per turn, each request with its own room and seed."""
+
+    def __init__(self, base_url: str, eos: set[int], settings: GenerateConfig) -> None:
+        self.base_url, self.eos, self.settings = base_url, eos, settings
+
+    def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
+        greedy = self.settings.temperature <= 0
+        sampling = [{"max_new_tokens": room, "stop_token_ids": sorted(self.eos),
+                     "temperature": 0.0 if greedy else self.settings.temperature,
+                     "top_p": 1.0 if greedy else self.settings.top_p,
+                     **({} if greedy else {"sampling_seed": seed + i})}
+                    for i, room in enumerate(rooms)]
+        return sglang_client.generate(self.base_url, prompts, sampling)
+
+
 class Writer:
     """The target answering a batch of conversations, turn by turn."""
 
-    def __init__(self, model: Any, tokenizer: Any, settings: GenerateConfig,
-                 max_tokens: int) -> None:
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, decode: Decoder, tokenizer: Any, eos: set[int],
+                 settings: GenerateConfig, max_tokens: int) -> None:
+        self.decode, self.tokenizer, self.eos = decode, tokenizer, eos
         self.settings, self.max_tokens = settings, max_tokens
-        self.eos = loading.stop_tokens(tokenizer, model)
-        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None \
-            else min(self.eos)
         self.new_tokens = 0
 
     def answer(self, prompts: list[list[dict]], seed: int) -> list[list[dict]]:
@@ -73,16 +122,19 @@ class Writer:
                                              self.max_tokens - len(ids) - END_MARGIN)))
             if not asks:
                 return convs
-            torch.manual_seed(seed + turn)
-            answers = self._generate([ids for _, ids, _ in asks], max(r for *_, r in asks))
+            answers = self.decode([ids for _, ids, _ in asks], [room for *_, room in asks],
+                                  seed + turn)
             for (i, _, room), answer in zip(asks, answers):
-                answer = answer[:room]
+                answer = self._until_stop(answer)[:room]
                 self.new_tokens += len(answer)
                 text = self.tokenizer.decode(answer, skip_special_tokens=True)
                 convs[i].append({"role": "assistant", "content": text.strip()})
                 if len(answer) == room < self.settings.max_new_tokens:
                     left[i] = []  # cut by [data] max_tokens: this conversation ends here
             turn += 1
+
+    def _until_stop(self, answer: list[int]) -> list[int]:
+        return answer[:next((k for k, t in enumerate(answer) if t in self.eos), len(answer))]
 
     def _next_prompt(self, conv: list[dict], left: list[dict]) -> list[int] | None:
         """Move the turns up to the next user turn into the conversation and return its prompt
@@ -106,27 +158,29 @@ class Writer:
         conv.extend(taken)
         return ids
 
-    def _generate(self, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-        """One batched decode, left-padded; each answer up to (not including) its stop token."""
-        device = self.model.device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        sample = self.settings.temperature > 0
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new,
-                do_sample=sample, temperature=self.settings.temperature if sample else None,
-                top_p=self.settings.top_p if sample else None, top_k=None,
-                pad_token_id=self.pad, eos_token_id=sorted(self.eos))
-        answers = []
-        for row in out[:, width:].tolist():
-            end = next((k for k, t in enumerate(row) if t in self.eos), len(row))
-            answers.append(row[:end])
-        return answers
+
+def _decoder(cfg: Config, tokenizer: Any) -> tuple[Decoder, set[int]]:
+    """The configured engine's decoder, and the tokens that end an answer."""
+    if cfg.target.engine == "sglang":
+        eos = loading.stop_tokens(tokenizer, loading.load_generation_config(cfg.target.model_path))
+        url = f"http://{cfg.sglang.host}:{cfg.sglang.port}"
+        deadline = time.monotonic() + cfg.sglang.startup_timeout_s
+        log.info("waiting for the SGLang generation server at %s", url)
+        while not sglang_client.healthy(url, sglang_client.HEALTH_TIMEOUT_S):
+            if time.monotonic() > deadline:
+                raise Refusal(f"the SGLang generation server at {url} did not answer /health "
+                              f"within [sglang] startup_timeout_s = "
+                              f"{cfg.sglang.startup_timeout_s:.0f} s; see the daemon's log")
+            time.sleep(sglang_client.HEALTH_EVERY_S)
+        return SGLangDecoder(url, eos, cfg.generate), eos
+    device = loading.pick_device(cfg.target.device)
+    # Dequantized GGUF weights run fastest in float32 on a CPU; a GPU generates in the target's
+    # configured dtype.
+    model = loading.load_model(cfg.target.model_path,
+                               cfg.target.dtype if device == "cuda" else "float32", device)
+    eos = loading.stop_tokens(tokenizer, model.generation_config)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    return TransformersDecoder(model, pad, eos, cfg.generate), eos
 
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
@@ -134,15 +188,11 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     doc = contract.read_checked(cfg.paths.dataset_dir)
     fingerprint = loading.fingerprint_file_or_folder(cfg.target.model_path)
     contract.check_target(doc, fingerprint, cfg.target.model)
-    device = loading.pick_device(cfg.target.device)
-    # Dequantized GGUF weights run fastest in float32 on a CPU; a GPU generates in the target's
-    # configured dtype.
-    model = loading.load_model(cfg.target.model_path,
-                              cfg.target.dtype if device == "cuda" else "float32", device)
     tokenizer = loading.load_tokenizer(cfg.target.model_path)
-    writer = Writer(model, tokenizer, cfg.generate, cfg.data.max_tokens)
+    decode, eos = _decoder(cfg, tokenizer)
+    writer = Writer(decode, tokenizer, eos, cfg.generate, cfg.data.max_tokens)
     settings = {**cfg.generate._asdict(), "model": cfg.target.model,
-                "target_fingerprint": fingerprint}
+                "target_fingerprint": fingerprint, "engine": cfg.target.engine}
     started, done, last_report = time.monotonic(), 0, 0.0
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         while batch := ledger.claim_prompts(cfg.generate.batch_size,

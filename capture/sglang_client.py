@@ -1,6 +1,6 @@
 """The daemon's side of the SGLang engine: prefill requests to the server's /generate, on a small
-thread pool, with the events the transformers worker would send. Stdlib only (urllib), because
-the daemon imports it.
+thread pool, with the events the transformers worker would send; and the generate stage's
+batched decodes (`generate`). Stdlib only (urllib), because the daemon imports it.
 
 A request asks for no new tokens and names the sample as its request id (`rid`), which is the
 name the capture plugin gives the dump. The HTTP answer says only that the prefill ran: the dump
@@ -17,7 +17,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from eagle3d.capture.sglang_plugin import HANDSHAKE_FILE, handshake_problem, read_handshake
 
@@ -31,25 +31,47 @@ HEALTH_EVERY_S = 2.0
 HANDSHAKE_GRACE_S = 30.0
 
 
+# The server is on this machine or a private network: an http_proxy from the environment must
+# not be asked for it.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def healthy(base_url: str, timeout: float) -> bool:
+    """True once the server answers /health with 200 (it answers 503 while starting)."""
+    try:
+        with _OPENER.open(base_url.rstrip("/") + "/health", timeout=timeout) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
+
+
+def generate(base_url: str, prompts: list[list[int]],
+             sampling: list[dict[str, Any]]) -> list[list[int]]:
+    """The new token ids of each prompt, decoded by the server in one batched request (SGLang
+    schedules its members independently). Raises OSError when the server does not answer."""
+    body = json.dumps({"input_ids": prompts, "sampling_params": sampling,
+                       "stream": False}).encode()
+    request = urllib.request.Request(base_url.rstrip("/") + "/generate", data=body,
+                                     method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+            answers = json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:500].decode("utf-8", "replace").strip()
+        raise OSError(f"SGLang answered HTTP {exc.code}: {detail or exc.reason}") from None
+    if not isinstance(answers, list) or len(answers) != len(prompts):
+        raise OSError(f"SGLang answered {len(prompts)} prompts with {answers!r:.200}")
+    return [list(answer["output_ids"]) for answer in answers]
+
+
 class SGLangClient:
     def __init__(self, base_url: str, max_concurrency: int) -> None:
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.base_url = base_url.rstrip("/")
-        # The server is on this machine or a private network: an http_proxy from the
-        # environment must not be asked for it.
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
         self._events: queue.Queue[dict] = queue.Queue()
         self._closed = False
-
-    def healthy(self, timeout: float) -> bool:
-        """True once the server answers /health with 200 (it answers 503 while starting)."""
-        try:
-            with self._opener.open(self.base_url + "/health", timeout=timeout) as response:
-                return response.status == 200
-        except (OSError, ValueError):
-            return False
 
     def submit(self, samples: list[tuple[str, list[int]]]) -> None:
         """Queue prefill requests; returns at once. Each ends in one event from poll()."""
@@ -78,7 +100,7 @@ class SGLangClient:
         request = urllib.request.Request(self.base_url + "/generate", data=body, method="POST",
                                          headers={"Content-Type": "application/json"})
         try:
-            with self._opener.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+            with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
                 answer = json.loads(response.read() or b"{}")
         except urllib.error.HTTPError as exc:
             detail = exc.read()[:500].decode("utf-8", "replace").strip()
@@ -121,7 +143,7 @@ class Startup:
     def _run(self) -> None:
         client, spool, token, contract, layer_ids, tp, timeout_s, exited = self._args
         deadline = time.monotonic() + timeout_s
-        while not client.healthy(HEALTH_TIMEOUT_S):
+        while not healthy(client.base_url, HEALTH_TIMEOUT_S):
             if self._stop.is_set() or exited():
                 return
             if time.monotonic() > deadline:

@@ -1,6 +1,7 @@
-"""How the daemon starts the SGLang server that captures: the command line with the flags that
-make capture correct, the environment that tells the capture plugin where to write, and the
-check that the SGLang installed in the chosen interpreter is one the plugin was written for.
+"""How the daemon starts its SGLang servers: the one that captures (the command line with the
+flags that make capture correct, the environment that tells the capture plugin where to write),
+the one the generate stage writes answers with, and the check that the SGLang installed in the
+chosen interpreter is one the plugin was written for.
 
 Light on purpose (stdlib, the config and the contract only): the daemon imports it.
 """
@@ -60,24 +61,31 @@ def _reserved_flag(arg: str) -> str | None:
     return None
 
 
-def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and the environment to add to the daemon's for it. The environment
-    carries a new start token each call: the ready file of this start carries it back."""
+def _server_argv(cfg: Config, own: list[str]) -> list[str]:
+    """What both of eagle3d's servers take from the config, then `own` flags, then the
+    operator's extra_args."""
     for arg in cfg.sglang.extra_args:
         flag = _reserved_flag(arg)
         if flag:
             raise ValueError(f"{cfg.path}: [sglang.extra_args] {flag} is set by eagle3d for "
                              "capture to be correct; remove it")
-    argv = [cfg.sglang.python, "-m", "sglang.launch_server",
+    return [cfg.sglang.python, "-m", "sglang.launch_server",
             "--model-path", str(cfg.target.model_path),
             "--tp-size", str(cfg.sglang.tp),
             "--dtype", cfg.target.dtype,
             "--host", cfg.sglang.host, "--port", str(cfg.sglang.port),
-            "--mem-fraction-static", str(cfg.sglang.mem_fraction),
-            # One forward batch is copied to host memory whole: bound it like the other engine
-            # does, but never below the longest sample, which must fit in one prefill.
-            "--max-prefill-tokens", str(max(cfg.extract.batch_tokens, cfg.data.max_tokens)),
-            *CAPTURE_FLAGS, *cfg.sglang.extra_args]
+            "--mem-fraction-static", str(cfg.sglang.mem_fraction), *own, *cfg.sglang.extra_args]
+
+
+def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """The capturing server's argv and the environment to add to the daemon's for it. The
+    environment carries a new start token each call: the ready file of this start carries it
+    back."""
+    argv = _server_argv(cfg, [
+        # One forward batch is copied to host memory whole: bound it like the other engine
+        # does, but never below the longest sample, which must fit in one prefill.
+        "--max-prefill-tokens", str(max(cfg.extract.batch_tokens, cfg.data.max_tokens)),
+        *CAPTURE_FLAGS])
     settings = CaptureSettings(spool=cfg.paths.spool_dir, contract=contract["fingerprint"],
                                layer_ids=tuple(contract["layer_ids"]),
                                ledger=layout.ledger(cfg.paths.state_dir),
@@ -89,6 +97,14 @@ def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], di
         # SGLang loads only the plugins this names when it is set.
         env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
     return argv, env
+
+
+def generation_command(cfg: Config) -> tuple[list[str], dict[str, str]]:
+    """The server the generate stage writes answers with: SGLang as it serves, radix cache and
+    decode graphs on. No capture settings in its environment, so the plugin stays inert in it:
+    a server never both generates and captures (capture needs the flags above, and a request it
+    captures must be a prefill of a finished conversation)."""
+    return _server_argv(cfg, []), dict(SERVER_ENV)
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:

@@ -2,6 +2,10 @@
 the assistant turns of every planned conversation (capture/generator.py), working through the
 ledger itself. The stage starts it, follows its progress from the ledger's counts, and when it
 dies returns what it held, counting an attempt for each, and starts it again (bounded).
+
+With [target] engine = "sglang" the stage also starts the SGLang server the generator decodes
+with (sglang_launcher.generation_command: no capture in it), beside the generator and for as long
+as it runs: a server that dies ends the generator's round, and the next round starts both anew.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from eagle3d.statemachine.stages import Decision, Stage
 log = logging.getLogger("eagle3d")
 
 RATE_WINDOW_S = 120.0
+STOP_GRACE_S = 30.0  # SGLang ends its scheduler processes on SIGTERM within seconds
 
 
 class GenerateStage:
@@ -30,6 +35,7 @@ class GenerateStage:
         self.ledger = ledger
         self.pid_dir = pid_dir
         self.child: Child | None = None
+        self.server: Child | None = None
         self.restarts = 0
         self.retry_at = 0.0
         self.problem: str | None = None
@@ -57,37 +63,66 @@ class GenerateStage:
     def step(self, decision: Decision) -> None:
         if self.child is not None:
             code = self.child.poll()
-            if code is None:
+            why = f"the generator exited with code {code}"
+            server_code = self.server.poll() if self.server is not None else None
+            if code is None and server_code is None:
                 return
+            if code is None:  # its server died under it: this round is over
+                why = f"the SGLang generation server exited with code {server_code}"
+                self.child.stop(STOP_GRACE_S)
             self.child = None
-            self._exited(code)
+            self._stop_server()
+            self._exited(code, why)
         if decision.stage != Stage.GENERATE or self.problem or time.time() < self.retry_at:
+            return
+        if self.cfg.target.engine == "sglang" and not self._start_server():
             return
         self.child = Child("generator", [sys.executable, "-m", "eagle3d.capture.generator", "-c",
                                          str(layout.config_in_force(self.cfg.paths.state_dir))],
                            self.pid_dir)
 
-    def _exited(self, code: int) -> None:
+    def _start_server(self) -> bool:
+        from eagle3d.capture.sglang_launcher import check_version, generation_command
+        problem = check_version(self.cfg.sglang.python)
+        if problem is None:
+            try:
+                argv, env = generation_command(self.cfg)
+            except ValueError as exc:
+                problem = f"[sglang] {exc}"
+        if problem is not None:
+            self.problem = problem
+            log.error("cannot start the SGLang generation server: %s", problem)
+            self.ledger.event("generate_failed", problem)
+            return False
+        self.server = Child("generation-server", argv, self.pid_dir, env=env)
+        return True
+
+    def _stop_server(self) -> None:
+        if self.server is not None:
+            self.server.stop(STOP_GRACE_S)
+            self.server = None
+
+    def _exited(self, code: int | None, why: str) -> None:
         """Whatever the generator still held goes back, with an attempt counted: a conversation
-        that keeps killing the generator ends up failed, with the reason, not in a loop."""
+        that keeps killing the generator ends up failed, with the reason, not in a loop. `code`
+        is None when the stage ended the generator because its server died."""
         held = self.ledger.samples("generating")
         for sample in held:
-            self.ledger.mark_retry(sample.id, f"the generator exited with code {code}",
-                                   self.cfg.generate.max_attempts, frm=("generating",))
+            self.ledger.mark_retry(sample.id, why, self.cfg.generate.max_attempts,
+                                   frm=("generating",))
         if code == entry.OK:
             return
         self.restarts += 1
-        self.ledger.event("generator_exit", f"code {code}, {len(held)} conversations returned")
+        self.ledger.event("generator_exit", f"{why}, {len(held)} conversations returned")
         limit = self.cfg.extract.engine_max_restarts
         if code in entry.FINAL:
             self.problem = f"the generator refused to run (exit {code}); see the log"
         elif self.restarts > limit:
-            self.problem = (f"the generator exited {self.restarts} times ([extract] "
+            self.problem = (f"{why}, {self.restarts} times ([extract] "
                             f"engine_max_restarts = {limit}); see the log")
         else:
             self.retry_at = time.time() + min(60.0, 2.0 ** self.restarts)
-            log.warning("the generator exited with code %s; %d conversations returned; "
-                        "restarting", code, len(held))
+            log.warning("%s; %d conversations returned; restarting", why, len(held))
             return
         log.error("%s", self.problem)
         self.ledger.event("generate_failed", self.problem)
@@ -102,6 +137,8 @@ class GenerateStage:
                                "rate_per_s": round(self.rate(), 3), "problem": self.problem}
         if self.child is not None:
             out["pid"] = self.child.pid
+        if self.server is not None:
+            out["server_pid"] = self.server.pid
         return out
 
     def stop(self, deadline: float) -> None:
@@ -109,3 +146,6 @@ class GenerateStage:
         if self.child is not None:
             self.child.stop(remaining(deadline, 10.0))
             self.child = None
+        if self.server is not None:
+            self.server.stop(remaining(deadline, STOP_GRACE_S))
+            self.server = None

@@ -335,7 +335,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     if not prompts.ids:
         raise Refusal(f"no usable prompt among the {prompts.asked} conversations read "
                       f"({_reasons(prompts.skipped)})")
-    eos = stop_tokens(tokenizer, target)
+    eos = stop_tokens(tokenizer, target.generation_config)
     report = evaluate(target, drafter, vocab, layer_ids, prompts.ids, steps, max_new, eos,
                       args.batch_size or cfg.eval.batch_size)
     report.update(drafter=str(drafter_dir), prompts_asked=prompts.asked,

@@ -435,10 +435,6 @@ def parse_config(raw: dict, path: Path) -> Config:
         "workers": _typed(int, minimum=1, maximum=256), "spot_checks": _NONNEG_INT,
         "spot_tolerance": _POS_FLOAT})
 
-    if data.responses == "target" and target.engine == "sglang":
-        # The generator drives transformers today; SGLang generation is not built yet.
-        raise chk.fail("data.responses", '"target" needs [target] engine = "transformers" for '
-                       'now (the SGLang engine does not generate yet); use "dataset" with SGLang')
     generate = chk.build(GenerateConfig, "generate", chk.section(raw, "generate"), {
         "max_new_tokens": _POS_INT, "max_turns": _NONNEG_INT, "temperature": _typed(float, minimum=0.0),
         "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _NONNEG_INT,

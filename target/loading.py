@@ -102,9 +102,20 @@ def load_model(model_path: Path, dtype: str, device: str) -> Any:
     return model.to(pick_device(device)).eval()
 
 
-def stop_tokens(tokenizer: Any, model: Any) -> set[int]:
+def load_generation_config(model_path: Path) -> Any:
+    """The target's generation defaults (its end-of-answer tokens), without its weights: what
+    a loaded model carries as `generation_config`."""
+    from transformers import GenerationConfig
+    where, kw = _source(model_path)
+    try:
+        return GenerationConfig.from_pretrained(where, **kw)
+    except OSError:  # no generation_config.json: transformers derives it from the config
+        return GenerationConfig.from_model_config(load_config(model_path))
+
+
+def stop_tokens(tokenizer: Any, generation_config: Any) -> set[int]:
     """The token ids that end an answer: the tokenizer's end of sequence and the model's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = getattr(generation_config, "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [ids]
     return {t for t in [tokenizer.eos_token_id, *ids] if isinstance(t, int)}
 

@@ -109,12 +109,6 @@ def test_demo_config_is_valid():
     assert cfg.target.engine == "transformers" and cfg.data.limit > 0
 
 
-def test_target_answers_with_the_sglang_engine_are_refused_by_name(config_factory):
-    path = config_factory({"target": {"engine": "sglang"}, "data": {"responses": "target"}})
-    with pytest.raises(ConfigError, match=r"\[data.responses\].*SGLang engine does not generate"):
-        load_config(path)
-
-
 def without_dump_dtype(path: Path) -> Path:
     """The config as written before dump precisions: no [extract] dump_dtype."""
     doc = tomllib.loads(path.read_text())

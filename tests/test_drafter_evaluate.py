@@ -49,7 +49,7 @@ def test_the_greedy_check_catches_one_changed_token_and_passes_the_real_decode()
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three colours."}],
                                            add_generation_prompt=True, tokenize=False)
     prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    eos = loading.stop_tokens(tokenizer, target)
+    eos = loading.stop_tokens(tokenizer, target.generation_config)
     tokens = greedy(target, prompt, 24, eos)
     assert is_greedy(target, prompt, tokens, 24, eos) == (True, False)  # one forward decided
     changed = tokens[:10] + [(tokens[10] + 1) % 49152] + tokens[11:]
@@ -79,7 +79,7 @@ def test_prompts_decoded_together_each_decode_as_alone_and_as_plain_greedy():
     path = resolve_location(MODEL, Path("."))
     target = loading.load_model(path, "float32", "cpu")
     tokenizer = loading.load_tokenizer(path)
-    eos = loading.stop_tokens(tokenizer, target)
+    eos = loading.stop_tokens(tokenizer, target.generation_config)
     texts = ["ha ha ha ha ha ha ha ha", "The capital of France is", "A B C D E F G"]
     prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     drafter, vocab = _echo_drafter(target)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 
+import psutil
 import pytest
 from safetensors.torch import load_file
 
-from eagle3d.capture.generator import Writer
+from eagle3d.capture.generator import TransformersDecoder, Writer
 from eagle3d.capture.planner import plan_prompts
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
@@ -17,6 +19,7 @@ from eagle3d.statemachine.config import GenerateConfig, load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.target import loading
 from tests.pipeline import DaemonProcess, ctl, messages_config, status, wait_for
+from tests.test_sglang_engine import fake_sglang_python, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +28,12 @@ def target_config(config_factory, tmp_path, n: int, **generate):
     return messages_config(config_factory, tmp_path, n, data={"responses": "target",
                                                               "max_tokens": 256},
                            generate={"max_new_tokens": 24, "batch_size": 4, **generate})
+
+
+def transformers_writer(model, tokenizer, settings: GenerateConfig, max_tokens: int) -> Writer:
+    eos = loading.stop_tokens(tokenizer, model.generation_config)
+    return Writer(TransformersDecoder(model, tokenizer.pad_token_id, eos, settings), tokenizer, eos,
+                  settings, max_tokens)
 
 
 def events(config, kind: str) -> list[str]:
@@ -107,8 +116,8 @@ def test_max_turns_ends_each_conversation_after_that_many_answers(config_factory
               {"role": "user", "content": "And a fruit?"}]
     for max_turns, roles in ((0, ["user", "assistant", "user", "assistant"]),
                              (1, ["user", "assistant"])):
-        writer = Writer(model, tokenizer, GenerateConfig(max_new_tokens=8, max_turns=max_turns),
-                        256)
+        writer = transformers_writer(model, tokenizer,
+                                     GenerateConfig(max_new_tokens=8, max_turns=max_turns), 256)
         assert [m["role"] for m in writer.answer([prompt], seed=0)[0]] == roles
 
 
@@ -127,8 +136,8 @@ def test_every_planned_prompt_gets_an_answer_and_a_prompt_without_room_is_skippe
     prompt_tokens = len(tokenizer(rendered, add_special_tokens=False)["input_ids"])
     for max_tokens in range(prompt_tokens + 20, prompt_tokens + 30):
         prompts, skipped = plan_prompts(tokenizer, [conv], max_tokens)
-        answered = Writer(model, tokenizer, GenerateConfig(max_new_tokens=4), max_tokens).answer(
-            [list(conv.messages)], seed=0)[0]
+        answered = transformers_writer(model, tokenizer, GenerateConfig(max_new_tokens=4),
+                                       max_tokens).answer([list(conv.messages)], seed=0)[0]
         if prompts:
             assert [m["role"] for m in answered] == ["user", "assistant"], max_tokens
         else:
@@ -136,3 +145,53 @@ def test_every_planned_prompt_gets_an_answer_and_a_prompt_without_room_is_skippe
             assert answered == []
     assert plan_prompts(tokenizer, [conv], prompt_tokens + 20)[0] == []
     assert plan_prompts(tokenizer, [conv], prompt_tokens + 30)[0] != []
+
+
+
+def sglang_config(config_factory, tmp_path, n: int) -> Path:
+    """Answers by the SGLang engine; the stand-in server decodes with the real SmolLM2."""
+    return messages_config(config_factory, tmp_path, n, target={"engine": "sglang"},
+                           data={"responses": "target", "max_tokens": 256},
+                           generate={"max_new_tokens": 16, "batch_size": 2},
+                           extract={"engine_max_restarts": 0},
+                           sglang={"python": str(fake_sglang_python(tmp_path)),
+                                   "port": free_port(), "startup_timeout_s": 120.0})
+
+
+def test_the_sglang_engine_writes_the_answers_the_target_writes(config_factory, tmp_path):
+    """The generate stage's own SGLang server (no capture in it), asked turn by turn, gives each
+    conversation exactly the answers the target writes in transformers; the server ends with
+    the stage."""
+    config = sglang_config(config_factory, tmp_path, 3)
+    with DaemonProcess(config, "--until", "extract") as d:
+        st = d.status_until(lambda s: s["generate"].get("server_pid"), 120,
+                            "the generation server")
+        server = psutil.Process(st["generate"]["server_pid"])
+        assert "--disable-radix-cache" not in server.cmdline()
+        assert not any(key.startswith("EAGLE3D_") for key in server.environ())
+        assert d.wait(600) == 0, d.output()[-4000:]
+    assert not server.is_running()
+    cfg = load_config(config)
+    writer = transformers_writer(loading.load_model(cfg.target.model_path, "float32", "cpu"),
+                                 loading.load_tokenizer(cfg.target.model_path), cfg.generate,
+                                 cfg.data.max_tokens)
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
+        samples = ledger.samples()
+        assert len(samples) == 3 and all(s.status == "pending" for s in samples)
+        for sample in samples:
+            messages, settings = ledger.generated(sample.id)
+            assert settings["engine"] == "sglang" and messages[-1]["role"] == "assistant"
+            assert messages[-1]["content"]
+            (prompt,), = ledger.db.execute("SELECT messages FROM prompts WHERE id = ?",
+                                           (sample.id,))
+            assert messages == writer.answer([json.loads(prompt)], seed=0)[0]
+
+
+def test_a_generation_server_that_dies_stops_the_stage_with_its_reason(config_factory,
+                                                                      tmp_path):
+    config = sglang_config(config_factory, tmp_path, 2)
+    with DaemonProcess(config, env={"FAKE_SGLANG": "die-generating"}) as d:
+        st = d.status_until(lambda s: s["generate"].get("problem"), 300,
+                            "the generate stage's problem")
+    assert "the SGLang generation server exited with code 3" in st["generate"]["problem"]
+    assert st["samples"]["generating"] == 0 and st["samples"]["ungenerated"] == 2

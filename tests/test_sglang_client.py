@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eagle3d.dataset import dumpformat
-from eagle3d.capture.sglang_client import SGLangClient
+from eagle3d.capture.sglang_client import SGLangClient, healthy
 from eagle3d.capture.sglang_plugin import (SPOT_FOLDER, SPOT_PREFIX, Capture, DumpWriter,
                                            ledger_loss_masks)
 from eagle3d.daemon.engine import deliver_redirected
@@ -130,8 +130,8 @@ def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     server = serve(fake)
     client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4)
     try:
-        assert not client.healthy(timeout=2.0)  # 503 while starting
-        assert client.healthy(timeout=2.0)
+        assert not healthy(client.base_url, timeout=2.0)  # 503 while starting
+        assert healthy(client.base_url, timeout=2.0)
         client.submit([(sample_id(ids), ids) for ids in samples + [too_long]])
         events = wait_events(client, len(samples) + 1)
         writer.flush()
@@ -159,7 +159,7 @@ def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
 
 def test_a_server_that_is_not_there_yields_errors_not_hangs():
     client = SGLangClient("http://127.0.0.1:9", max_concurrency=2)  # discard port: refused
-    assert not client.healthy(timeout=1.0)
+    assert not healthy(client.base_url, timeout=1.0)
     client.submit([("a" * 32, [1, 2, 3])])
     events = wait_events(client, 1, timeout=10.0)
     client.close()
@@ -181,7 +181,7 @@ def test_a_spot_check_gets_its_dumps_where_it_asked_not_in_the_spool(tmp_path, s
     wanted.mkdir()
     redirected = {sample_id(ids): wanted for ids in samples}
     try:
-        while not client.healthy(timeout=2.0):
+        while not healthy(client.base_url, timeout=2.0):
             time.sleep(0.05)
         client.submit([(SPOT_PREFIX + sample_id(ids), ids) for ids in samples])
         assert all(e["event"] == "done" for e in wait_events(client, len(samples)))

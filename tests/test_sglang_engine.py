@@ -27,8 +27,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def engine(tmp_path: Path) -> SGLangEngine:
-    """An engine whose [sglang] python sees the stand-in SGLang (version 0.5.17) and eagle3d."""
+def fake_sglang_python(tmp_path: Path) -> Path:
+    """An interpreter that sees the stand-in SGLang (version 0.5.17) and eagle3d."""
     fake = tmp_path / "site"
     info = fake / "sglang-0.5.17.dist-info"
     info.mkdir(parents=True)
@@ -37,6 +37,12 @@ def engine(tmp_path: Path) -> SGLangEngine:
     python.write_text(f"#!/bin/sh\nPYTHONPATH={fake}:{TESTS / 'fake_sglang'}:{TESTS} "
                       f"exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
+    return python
+
+
+def engine(tmp_path: Path) -> SGLangEngine:
+    """An engine whose [sglang] python is fake_sglang_python."""
+    python = fake_sglang_python(tmp_path)
     (tmp_path / "model").mkdir()
     (tmp_path / "data.json").write_text("[]")
     (tmp_path / "state").mkdir()

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.capture.sglang_launcher import SUPPORTED, check_version, launch_command, shell_line
+from eagle3d.capture.sglang_launcher import (CAPTURE_FLAGS, SUPPORTED, check_version,
+                                             generation_command, launch_command, shell_line)
 from eagle3d.capture.sglang_plugin import ENV_TOKEN, CaptureSettings
 from eagle3d.statemachine.config import parse_config
 
@@ -57,6 +58,22 @@ def test_command_starts_sglang_with_the_flags_capture_needs(tmp_path, monkeypatc
         settings.token  # each start its own: an old ready file is not taken for this one
     line = shell_line(argv, env)
     assert shlex.split(line)[-len(argv):] == argv and "EAGLE3D_LAYER_IDS=2,30,58" in line
+
+
+def test_the_generation_server_serves_as_sglang_does_and_never_captures(tmp_path):
+    """The generate stage's server: the same target, parallelism and operator flags, none of
+    capture's (radix cache, decode graphs and warm-up stay SGLang's own), and no capture
+    settings for the plugin to act on."""
+    cfg = config(tmp_path, extra_args=["--trust-remote-code"])
+    argv, env = generation_command(cfg)
+    capture_argv, _ = launch_command(cfg, CONTRACT)
+    assert argv[:3] == capture_argv[:3] and argv[-1] == "--trust-remote-code"
+    for name in ("--model-path", "--tp-size", "--dtype", "--port", "--mem-fraction-static"):
+        assert flag(argv, name) == flag(capture_argv, name)
+    assert not {f for f in CAPTURE_FLAGS if f.startswith("--")} & set(argv)
+    assert CaptureSettings.from_env(env) is None
+    with pytest.raises(ValueError, match="extra_args"):
+        generation_command(config(tmp_path, extra_args=["--enable-dp-attention"]))
 
 
 def test_an_operators_plugin_list_keeps_ours(tmp_path, monkeypatch):

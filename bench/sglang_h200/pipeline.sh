@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The daemon with engine = "sglang" on SmolLM2-135M-Instruct: it starts SGLang itself (launcher,
-# start watcher, plugin, client) and runs plan → extract → verify → train → done; then the
-# acceptance length of the exported drafter on 40 held-out prompts. Figures in OUTDIR/summary.json.
-#   bench/sglang_h200/pipeline.sh MODEL_DIR CONVERSATIONS OUTDIR [SERVER_ARG...]
+# start watcher, plugin, client) and runs plan → [generate] → extract → verify → train → done;
+# then the acceptance length of the exported drafter on 40 held-out prompts. Figures in
+# OUTDIR/summary.json, the daemon's log in OUTDIR/daemon.log.
+#   [RESPONSES=target] bench/sglang_h200/pipeline.sh MODEL_DIR CONVERSATIONS OUTDIR [SERVER_ARG...]
+# RESPONSES=target has the target write every assistant turn first (2 turns of at most 384
+# tokens, greedy) through the generate stage's own SGLang server; the default, dataset, trains
+# on the conversations' own answers.
 set -euo pipefail
 model=$(realpath "$1"); source=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
 extra=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
@@ -19,6 +23,11 @@ format = "auto"
 first = 0
 limit = 3200
 max_tokens = 1024
+responses = "${RESPONSES:-dataset}"
+[generate]
+max_new_tokens = 384
+max_turns = 2
+batch_size = 512
 [paths]
 state_dir = "$out/state"
 spool_dir = "/dev/shm/eagle3d-sglang-pipeline"
@@ -29,6 +38,7 @@ reserve = "4GiB"
 spool_max = "8GiB"
 [extract]
 batch_tokens = 16384
+engine_max_restarts = 1
 max_inflight_tokens = 131072
 max_inflight_samples = 256
 [verify]
@@ -57,7 +67,7 @@ extra_args = $extra
 TOML
 started=$(date +%s)
 python3 -c 'import sys; from eagle3d.daemon.main import main; sys.exit(main())' \
-  run -c "$out/sglang.toml" --until done
+  run -c "$out/sglang.toml" --until done 2>&1 | tee "$out/daemon.log"
 wall=$(( $(date +%s) - started ))
 python3 -c 'import sys; from eagle3d.daemon.ctl import main; sys.exit(main())' \
   -c "$out/sglang.toml" status || true
@@ -69,7 +79,9 @@ events = [r for r in db.execute("SELECT kind, detail FROM events ORDER BY seq")]
 ev = json.load(open(f"{out}/train/eval.json"))
 summary = {"wall_s": wall, "events": [e for e in events if e[0].startswith(("engine", "stage", "drafter"))],
            "acceptance_length": ev["acceptance_length"],
-           "per_position_acceptance": ev["per_position_acceptance"], "prompts": ev["prompts"]}
+           "per_position_acceptance": ev["per_position_acceptance"], "prompts": ev["prompts"],
+           "generation": [line.strip() for line in open(f"{out}/daemon.log")
+                          if "generation done" in line]}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
 print(json.dumps(summary, indent=1))
 PY

@@ -8,8 +8,12 @@
 #   smoke     capture/sglang_smoke.py: dumps vs transformers, and capture overhead
 #   mla       the same check on a small random DeepSeek-V3 model (MLA + MoE, mla_model.py)
 #   pipeline  the daemon with engine = "sglang": plan → extract → verify → train → done
+#   target    the same with the target's own answers, written by the generate stage's SGLang
+#             server first: plan → generate → extract → verify → train → done (WORK/target)
 #   compare   the pipeline's dataset (the daemon's own SGLang dumps) vs transformers
-#   serve     the exported drafter served by SGLang as an EAGLE-3 draft (serve.py)
+#   serve     the exported drafter (target's where that step ran, else pipeline's) served by
+#             SGLang as an EAGLE-3 draft beside plain SGLang (serve.py), bf16
+#   serve-f32 the same in float32 (the target's greedy decoding, near-ties included)
 #   kernels   smoke and mla again with SGLang's own fused kernels instead of native torch ops:
 #             flashinfer's JIT sources from $FI_DATA (build_bundle.sh's fi-data.tar.xz)
 set -euo pipefail
@@ -42,10 +46,13 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
     mla) mla_model; smoke "$work/mla" mla.json ;;
     pipeline) "$here/pipeline.sh" "$work/model" "$conversations" "$work/pipeline" \
         "${SERVER_ARGS[@]}"; cp "$work/pipeline/summary.json" "$work/out/pipeline.json" ;;
+    target) RESPONSES=target "$here/pipeline.sh" "$work/model" "$conversations" "$work/target" \
+        "${SERVER_ARGS[@]}"; cp "$work/target/summary.json" "$work/out/target.json" ;;
     compare) python3 -m eagle3d.capture.sglang_smoke --dataset "$work/pipeline/sglang.toml" \
         --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
-    serve) python3 "$here/serve.py" "$work/pipeline/sglang.toml" "$work/out" \
-        "${SERVER_ARGS[@]}" ;;
+    serve|serve-f32) run=$( [ -e "$work/target/train/eval.json" ] && echo target || echo pipeline )
+      python3 "$here/serve.py" "$work/$run/sglang.toml" "$work/out" \
+        "$( [ "$step" = serve ] && echo bfloat16 || echo float32 )" "${SERVER_ARGS[@]}" ;;
     kernels) [ -e "$work/site/flashinfer/data" ] || tar xJf "${FI_DATA:?the path of fi-data.tar.xz}" -C "$work/site"
       EAGLE3D_NATIVE_OPS=0 smoke "$work/model" kernels.json --overhead 3
       mla_model; EAGLE3D_NATIVE_OPS=0 smoke "$work/mla" mla-kernels.json ;;

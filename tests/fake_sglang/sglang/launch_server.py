@@ -1,11 +1,19 @@
 """A stand-in for `python -m sglang.launch_server`, as slow to answer /health as the real one
-with its default one-token health generation. It loads a "model" through the capture plugin's
-real load-model step (`prepare`) unless FAKE_SGLANG says otherwise:
+with its default one-token health generation.
+
+Started with capture settings in its environment (the daemon's capturing server), it loads a
+"model" through the capture plugin's real load-model step (`prepare`) unless FAKE_SGLANG says
+otherwise:
   ok            the plugin sets capture up and writes its ready file
   no-plugin     SGLang started without the plugin (or swallowed its failure in register())
   dp-attention  attention data parallelism on: the plugin refuses, which stops the server
+Started without (the generate stage's server), it loads the real target from --model-path and
+answers batched /generate requests greedily, one request at a time, as SGLang answers them:
+each request's new ids, its stop token included. FAKE_SGLANG=die-generating makes it exit with
+code 3 at the first /generate instead.
 """
 
+import json
 import os
 import sys
 import time
@@ -33,18 +41,59 @@ def load_model(mode: str) -> None:
             "0.5.17")
 
 
-class Health(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        time.sleep(HEALTH_SECONDS)
-        self.send_response(200 if self.path == "/health" else 404)
-        self.end_headers()
+class Generator:
+    def __init__(self, mode: str) -> None:
+        from eagle3d.target import loading
+        self.mode = mode
+        self.model = loading.load_model(arg("--model-path"), "float32", "cpu")
 
-    def log_message(self, *args) -> None:
-        pass
+    def __call__(self, body: dict) -> list[dict]:
+        import torch
+        if self.mode == "die-generating":
+            os._exit(3)
+        answers = []
+        for ids, params in zip(body["input_ids"], body["sampling_params"]):
+            assert params["temperature"] == 0.0, "the fake decodes greedily only"
+            with torch.inference_mode():
+                out = self.model.generate(
+                    input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)).long(),
+                    max_new_tokens=params["max_new_tokens"], do_sample=False,
+                    eos_token_id=params["stop_token_ids"], pad_token_id=params["stop_token_ids"][0])
+            answers.append({"output_ids": out[0, len(ids):].tolist(),
+                            "meta_info": {"prompt_tokens": len(ids)}})
+        return answers
+
+
+def handler(generate: Generator | None) -> type:
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            time.sleep(HEALTH_SECONDS)
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def do_POST(self) -> None:
+            if self.path != "/generate" or generate is None:
+                self.send_response(404)
+                self.end_headers()
+                return
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            answer = json.dumps(generate(body)).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(answer)))
+            self.end_headers()
+            self.wfile.write(answer)
+
+        def log_message(self, *args) -> None:
+            pass
+    return Handler
 
 
 if __name__ == "__main__":
+    from eagle3d.capture.sglang_plugin import CaptureSettings
     mode = os.environ.get("FAKE_SGLANG", "ok")
-    if mode != "no-plugin":
+    generate = None
+    if CaptureSettings.from_env(os.environ) is None:
+        generate = Generator(mode)
+    elif mode != "no-plugin":
         load_model(mode)  # raises on a refusal: SGLang's scheduler dies, and the server with it
-    ThreadingHTTPServer((arg("--host"), int(arg("--port"))), Health).serve_forever()
+    ThreadingHTTPServer((arg("--host"), int(arg("--port"))), handler(generate)).serve_forever()
