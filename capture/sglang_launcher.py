@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import shlex
+import socket
 import subprocess
 from typing import Any
 
@@ -111,6 +112,27 @@ def shell_line(argv: list[str], env: dict[str, str]) -> str:
     """The command as an operator would type it (for `eagle3ctl engine-command`)."""
     return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
                      *map(shlex.quote, argv)])
+
+
+def launch_problem(cfg: Config) -> str | None:
+    """Why a server of this config cannot be started here, or None: the SGLang of [sglang]
+    python (check_version), or its port taken. A process already listening there would answer
+    the new server's /health in its place: the capture plugin's missing ready file would then
+    be blamed, or a generation sent to a server that is not ours."""
+    return check_version(cfg.sglang.python) or port_problem(cfg.sglang.host, cfg.sglang.port)
+
+
+def port_problem(host: str, port: int) -> str | None:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As a server binds: connections of an earlier server closing down do not count.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            return (f"[sglang] port {port} on {host} is taken ({exc.strerror}): another server "
+                    "listens there; stop it or choose another [sglang] port")
+    return None
 
 
 def _release(version: str) -> tuple[int, ...]:

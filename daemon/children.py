@@ -104,6 +104,7 @@ class Child:
         self.signal(signal.SIGKILL, alive)
         code = self.proc.wait()
         self.pid_file.unlink(missing_ok=True)
+        log.info("stopped %s (pid %d): exit %d", self.name, self.proc.pid, code)
         return code
 
 

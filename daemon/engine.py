@@ -116,9 +116,9 @@ class SGLangEngine:
 
     def __init__(self, cfg: Config, pid_dir: Path, contract: dict[str, Any]) -> None:
         from eagle3d.capture.sglang_client import SGLangClient, Startup
-        from eagle3d.capture.sglang_launcher import check_version, launch_command
+        from eagle3d.capture.sglang_launcher import launch_command, launch_problem
         from eagle3d.capture.sglang_plugin import ENV_TOKEN
-        problem = check_version(cfg.sglang.python)
+        problem = launch_problem(cfg)
         if problem:
             raise EngineUnavailable(problem)
         try:

@@ -66,8 +66,14 @@ class GenerateStage:
             why = f"the generator exited with code {code}"
             server_code = self.server.poll() if self.server is not None else None
             if code is None and server_code is None:
-                return
-            if code is None:  # its server died under it: this round is over
+                if decision.underlying == Stage.GENERATE:
+                    return
+                # The ledger has every answer while the generator is still exiting: end this
+                # round now, so that its server is down before the next stage starts one (on
+                # the H200 the capture engine once came up beside it and took its /health).
+                code, why = entry.OK, "generation is over"
+                self.child.stop(STOP_GRACE_S)
+            elif code is None:  # its server died under it: this round is over
                 why = f"the SGLang generation server exited with code {server_code}"
                 self.child.stop(STOP_GRACE_S)
             self.child = None
@@ -82,8 +88,8 @@ class GenerateStage:
                            self.pid_dir)
 
     def _start_server(self) -> bool:
-        from eagle3d.capture.sglang_launcher import check_version, generation_command
-        problem = check_version(self.cfg.sglang.python)
+        from eagle3d.capture.sglang_launcher import generation_command, launch_problem
+        problem = launch_problem(self.cfg)
         if problem is None:
             try:
                 argv, env = generation_command(self.cfg)

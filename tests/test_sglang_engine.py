@@ -11,9 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 from eagle3d.capture import sglang_client
-from eagle3d.daemon.engine import SGLangEngine
+from eagle3d.daemon.engine import EngineUnavailable, SGLangEngine
 from eagle3d.statemachine.config import parse_config
 from test_sglang_plugin import CONTRACT, REQUESTS, plan
 
@@ -40,7 +41,7 @@ def fake_sglang_python(tmp_path: Path) -> Path:
     return python
 
 
-def engine(tmp_path: Path) -> SGLangEngine:
+def engine(tmp_path: Path, port: int | None = None) -> SGLangEngine:
     """An engine whose [sglang] python is fake_sglang_python."""
     python = fake_sglang_python(tmp_path)
     (tmp_path / "model").mkdir()
@@ -52,7 +53,8 @@ def engine(tmp_path: Path) -> SGLangEngine:
         "data": {"source": "data.json", "max_tokens": 512},
         "paths": {"state_dir": "state", "spool_dir": "spool", "dataset_dir": "dataset",
                   "train_dir": "train"},
-        "sglang": {"python": str(python), "port": free_port(), "startup_timeout_s": 60.0}},
+        "sglang": {"python": str(python), "port": port or free_port(),
+                   "startup_timeout_s": 60.0}},
         tmp_path / "eagle3d.toml")
     return SGLangEngine(cfg, tmp_path / "pids", {"fingerprint": CONTRACT, "layer_ids": LAYERS,
                                                  "dump_dtype": "bfloat16"})
@@ -103,3 +105,15 @@ def test_a_refusal_in_the_load_model_hook_stops_the_server(tmp_path, monkeypatch
         assert not eng.ready and eng.poll() == 1
     finally:
         eng.stop(5)
+
+
+def test_a_port_another_server_listens_on_is_refused_before_starting(tmp_path):
+    """Another server there would answer the new one's /health in its place (the H200 run's
+    capture engine once started beside the generation server it followed)."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(EngineUnavailable, match=f"port {port} on 127.0.0.1 is taken"):
+            engine(tmp_path, port)
+    assert not list((tmp_path / "pids").glob("*.json"))  # nothing was started

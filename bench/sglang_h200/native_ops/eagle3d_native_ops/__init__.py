@@ -1,5 +1,5 @@
 """Smoke-only SGLang plugin for a bundle without the kernel libraries' JIT sources: every
-MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) but the MoE router runs its pure-torch
+MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) but the MoE layer's runs its pure-torch
 forward_native, and SGLang's JIT KV-cache store is off (it falls back to indexing). Without it
 the first prefill fails: `ninja: error: .../flashinfer/data/csrc/norm.cu missing`. Never install
 it next to a production server: it trades speed for running anywhere. EAGLE3D_NATIVE_OPS=0 turns
@@ -14,9 +14,10 @@ OPS_TARGET = "sglang.srt.layers.utils.multi_platform.MultiPlatformOp.dispatch_fo
 KV_STORE_TARGET = "sglang.kernels.ops.kvcache.kvcache.can_use_store_cache"
 
 
-# SGLang's mixture-of-experts routing keeps its CUDA path (sgl_kernel's, which the bundle has):
-# its native path left out the routed scaling factor on a DeepSeek-V3 model (docs/sglang.md).
-KEEP_CUDA = ("TopK",)
+# SGLang's mixture-of-experts router and experts keep their CUDA paths (sgl_kernel's top-k and
+# the Triton fused MoE, which the bundle has): the experts' native path (moe_forward_native, its
+# forward_cpu) never applies DeepSeek-V3's routed scaling factor (docs/sglang.md).
+KEEP_CUDA = ("TopK", "UnquantizedFusedMoEMethod")
 
 
 def _native(op):
