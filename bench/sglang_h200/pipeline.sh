@@ -6,7 +6,8 @@
 #   [RESPONSES=target] bench/sglang_h200/pipeline.sh MODEL_DIR CONVERSATIONS OUTDIR [SERVER_ARG...]
 # RESPONSES=target has the target write every assistant turn first (2 turns of at most 384
 # tokens, greedy) through the generate stage's own SGLang server; the default, dataset, trains
-# on the conversations' own answers.
+# on the conversations' own answers. LIMIT (default 3200) conversations from the first are
+# planned; eval takes 48 from there, EVAL_TOKENS (default 64) new tokens each.
 set -euo pipefail
 model=$(realpath "$1"); source=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
 extra=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
@@ -21,7 +22,7 @@ device = "cuda"
 source = "$source"
 format = "auto"
 first = 0
-limit = 3200
+limit = ${LIMIT:-3200}
 max_tokens = 1024
 responses = "${RESPONSES:-dataset}"
 [generate]
@@ -54,10 +55,10 @@ lr = 1e-3
 warmup_steps = 10
 checkpoint_every = 200
 [eval]
-first = 3200
+first = ${LIMIT:-3200}
 limit = 48
 steps = 4
-max_new_tokens = 64
+max_new_tokens = ${EVAL_TOKENS:-64}
 [sglang]
 python = "python3"
 port = 30555

