@@ -62,23 +62,12 @@ class GenerateStage:
 
     def step(self, decision: Decision) -> None:
         if self.child is not None:
-            code = self.child.poll()
-            why = f"the generator exited with code {code}"
-            server_code = self.server.poll() if self.server is not None else None
-            if code is None and server_code is None:
-                if decision.underlying == Stage.GENERATE:
-                    return
-                # The ledger has every answer while the generator is still exiting: end this
-                # round now, so that its server is down before the next stage starts one (on
-                # the H200 the capture engine once came up beside it and took its /health).
-                code, why = entry.OK, "generation is over"
-                self.child.stop(STOP_GRACE_S)
-            elif code is None:  # its server died under it: this round is over
-                why = f"the SGLang generation server exited with code {server_code}"
-                self.child.stop(STOP_GRACE_S)
+            ended = self._round_end(decision)
+            if ended is None:
+                return
             self.child = None
             self._stop_server()
-            self._exited(code, why)
+            self._exited(*ended)
         if decision.stage != Stage.GENERATE or self.problem or time.time() < self.retry_at:
             return
         if self.cfg.target.engine == "sglang" and not self._start_server():
@@ -86,6 +75,25 @@ class GenerateStage:
         self.child = Child("generator", [sys.executable, "-m", "eagle3d.capture.generator", "-c",
                                          str(layout.config_in_force(self.cfg.paths.state_dir))],
                            self.pid_dir)
+
+    def _round_end(self, decision: Decision) -> tuple[int | None, str] | None:
+        """How the running round (generator and server) ends, or None while it goes on: the
+        generator's exit; its server's death (the generator is ended; code None); or the ledger
+        holding every answer while the generator is still exiting: it is ended now, so that its
+        server is down before the next stage starts one on the same port (on the H200 the
+        capture engine once came up beside the generation server, which answered its /health)."""
+        assert self.child is not None
+        code = self.child.poll()
+        if code is not None:
+            return code, f"the generator exited with code {code}"
+        server_code = self.server.poll() if self.server is not None else None
+        if server_code is not None:
+            self.child.stop(STOP_GRACE_S)
+            return None, f"the SGLang generation server exited with code {server_code}"
+        if decision.underlying != Stage.GENERATE:
+            self.child.stop(STOP_GRACE_S)
+            return entry.OK, "generation is over"
+        return None
 
     def _start_server(self) -> bool:
         from eagle3d.capture.sglang_launcher import generation_command, launch_problem

@@ -7,7 +7,9 @@
 # RESPONSES=target has the target write every assistant turn first (2 turns of at most 384
 # tokens, greedy) through the generate stage's own SGLang server; the default, dataset, trains
 # on the conversations' own answers. LIMIT (default 3200) conversations from the first are
-# planned; eval takes 48 from there, EVAL_TOKENS (default 64) new tokens each.
+# planned; eval takes 48 from there, EVAL_TOKENS (default 64) new tokens each. GEN_BATCH
+# (default 512) conversations are answered together: each turn of a batch waits for its longest
+# answer, so SGLang's decode batches stay full longer with more. EPOCHS (default 3) of training.
 set -euo pipefail
 model=$(realpath "$1"); source=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
 extra=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
@@ -28,7 +30,7 @@ responses = "${RESPONSES:-dataset}"
 [generate]
 max_new_tokens = 384
 max_turns = 2
-batch_size = 512
+batch_size = ${GEN_BATCH:-512}
 [paths]
 state_dir = "$out/state"
 spool_dir = "/dev/shm/eagle3d-sglang-pipeline"
@@ -49,7 +51,7 @@ spot_checks = 2
 device = "cuda"
 draft_vocab = 8192
 ttt_steps = 3
-epochs = 3.0
+epochs = ${EPOCHS:-3}
 batch_tokens = 8192
 lr = 1e-3
 warmup_steps = 10
