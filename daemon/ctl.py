@@ -289,7 +289,20 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
-    from eagle3d.capture.sglang_launcher import launch_command, shell_line
+    """The command of each process that runs the target: where the target writes the answers,
+    the generate stage's first, each under a comment naming it."""
+    from eagle3d.capture.sglang_launcher import generation_command, launch_command, shell_line
+    # The daemon starts its children from the config in force, which it writes into the state
+    # folder.
+    in_force = str(layout.config_in_force(cfg.paths.state_dir))
+    commands: list[tuple[str, list[str], dict[str, str]]] = []
+    if cfg.data.responses == "target":
+        if cfg.target.engine == "sglang":
+            commands.append(("the generate stage's SGLang server", *generation_command(cfg)))
+        else:
+            commands.append(("the generate stage's generator",
+                             [sys.executable, "-m", "eagle3d.capture.generator", "-c", in_force],
+                             {}))
     if cfg.target.engine == "sglang":
         from eagle3d.dataset import contract
         c = contract.read(cfg.paths.dataset_dir)
@@ -297,12 +310,14 @@ def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
             print("no capture contract yet: the plan stage writes it "
                   f"({layout.contract_file(cfg.paths.dataset_dir)})", file=sys.stderr)
             return 1
-        argv, env = launch_command(cfg, c)
+        commands.append(("the extract stage's SGLang server", *launch_command(cfg, c)))
     else:
-        # The daemon starts it from the config in force, which it writes into the state folder.
-        argv, env = [sys.executable, "-m", "eagle3d.capture.worker", "-c",
-                     str(layout.config_in_force(cfg.paths.state_dir))], {}
-    print(shell_line(argv, env))
+        commands.append(("the extract stage's engine",
+                         [sys.executable, "-m", "eagle3d.capture.worker", "-c", in_force], {}))
+    for what, argv, env in commands:
+        if len(commands) > 1:
+            print(f"# {what}")
+        print(shell_line(argv, env))
     return 0
 
 
@@ -373,7 +388,7 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None]
     "samples": ("list samples", _samples_args),
     "events": ("the ledger's event log, newest last", _events_args),
     "eval": ("measure a drafter's acceptance length with the real target", _eval_args),
-    "engine-command": ("print the exact engine command the daemon runs", None),
+    "engine-command": ("print the exact command of each process that runs the target", None),
 }
 
 

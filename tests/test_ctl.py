@@ -94,3 +94,18 @@ def test_control_requests_against_a_running_daemon(tmp_path, config_factory):
         out, _ = daemon.communicate(timeout=120)
     assert daemon.returncode == 0, out
     assert ctl(config, "status").returncode == 3
+
+
+def test_engine_command_names_each_process_that_runs_the_target(config_factory):
+    """With the target's own answers the generator runs it first, then the extract engine; with
+    the dataset's answers only the engine does, on one line as before."""
+    dataset = ctl(config_factory({"data": {"responses": "dataset"}}), "engine-command")
+    assert dataset.returncode == 0, dataset.stderr
+    assert dataset.stdout.count("\n") == 1 and "eagle3d.capture.worker -c" in dataset.stdout
+    target = ctl(config_factory({"data": {"responses": "target"}}, name="target.toml"),
+                 "engine-command")
+    assert target.returncode == 0, target.stderr
+    lines = target.stdout.splitlines()
+    assert lines[0] == "# the generate stage's generator"
+    assert "eagle3d.capture.generator -c" in lines[1] and lines[1].endswith("config.toml")
+    assert lines[2] == "# the extract stage's engine" and "eagle3d.capture.worker -c" in lines[3]
