@@ -48,8 +48,8 @@ CLAIM_WINDOW = 8
 
 
 class Decoder(Protocol):
-    """One batched decode: each prompt's new token ids, at most its `room`, up to and not
-    including a stop token where the decoder knows where one is."""
+    """One batched decode: each prompt's new token ids, at least up to its `room` or a stop
+    token (the Writer cuts each answer at its first stop token and at its room)."""
 
     def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
         ...
