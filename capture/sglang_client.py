@@ -45,20 +45,30 @@ def healthy(base_url: str, timeout: float) -> bool:
         return False
 
 
+class SGLangRefused(OSError):
+    """SGLang answered with an HTTP error; the message carries its status and its words."""
+
+
+def _post_generate(base_url: str, body: dict[str, Any]) -> Any:
+    """POST /generate; its JSON answer. Raises SGLangRefused for an HTTP error, OSError or
+    ValueError when there is no usable answer."""
+    request = urllib.request.Request(base_url.rstrip("/") + "/generate",
+                                     data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+            return json.loads(response.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:500].decode("utf-8", "replace").strip()
+        raise SGLangRefused(f"SGLang answered HTTP {exc.code}: {detail or exc.reason}") from None
+
+
 def generate(base_url: str, prompts: list[list[int]],
              sampling: list[dict[str, Any]]) -> list[list[int]]:
     """The new token ids of each prompt, decoded by the server in one batched request (SGLang
     schedules its members independently). Raises OSError when the server does not answer."""
-    body = json.dumps({"input_ids": prompts, "sampling_params": sampling,
-                       "stream": False}).encode()
-    request = urllib.request.Request(base_url.rstrip("/") + "/generate", data=body,
-                                     method="POST", headers={"Content-Type": "application/json"})
-    try:
-        with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
-            answers = json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        detail = exc.read()[:500].decode("utf-8", "replace").strip()
-        raise OSError(f"SGLang answered HTTP {exc.code}: {detail or exc.reason}") from None
+    answers = _post_generate(base_url, {"input_ids": prompts, "sampling_params": sampling,
+                                        "stream": False})
     if not isinstance(answers, list) or len(answers) != len(prompts):
         raise OSError(f"SGLang answered {len(prompts)} prompts with {answers!r:.200}")
     return [list(answer["output_ids"]) for answer in answers]
@@ -95,16 +105,11 @@ class SGLangClient:
 
     def _prefill(self, sid: str, ids: list[int]) -> None:
         start = time.monotonic()
-        body = json.dumps({"input_ids": ids, "rid": sid, "stream": False,
-                           "sampling_params": {"max_new_tokens": 0}}).encode()
-        request = urllib.request.Request(self.base_url + "/generate", data=body, method="POST",
-                                         headers={"Content-Type": "application/json"})
         try:
-            with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
-                answer = json.loads(response.read() or b"{}")
-        except urllib.error.HTTPError as exc:
-            detail = exc.read()[:500].decode("utf-8", "replace").strip()
-            self._error(sid, f"SGLang answered HTTP {exc.code}: {detail or exc.reason}")
+            answer = _post_generate(self.base_url, {"input_ids": ids, "rid": sid, "stream": False,
+                                                    "sampling_params": {"max_new_tokens": 0}})
+        except SGLangRefused as exc:
+            self._error(sid, str(exc))
             return
         except (OSError, ValueError) as exc:
             self._error(sid, f"request to SGLang failed: {exc}")
