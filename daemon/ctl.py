@@ -292,17 +292,14 @@ def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
     """The command of each process that runs the target: where the target writes the answers,
     the generate stage's first, each under a comment naming it."""
     from eagle3d.capture.sglang_launcher import generation_command, launch_command, shell_line
-    # The daemon starts its children from the config in force, which it writes into the state
-    # folder.
-    in_force = str(layout.config_in_force(cfg.paths.state_dir))
+    from eagle3d.daemon.engine import worker_argv
+    from eagle3d.daemon.generate_stage import generator_argv
     commands: list[tuple[str, list[str], dict[str, str]]] = []
     if cfg.data.responses == "target":
         if cfg.target.engine == "sglang":
             commands.append(("the generate stage's SGLang server", *generation_command(cfg)))
         else:
-            commands.append(("the generate stage's generator",
-                             [sys.executable, "-m", "eagle3d.capture.generator", "-c", in_force],
-                             {}))
+            commands.append(("the generate stage's generator", generator_argv(cfg), {}))
     if cfg.target.engine == "sglang":
         from eagle3d.dataset import contract
         c = contract.read(cfg.paths.dataset_dir)
@@ -312,8 +309,7 @@ def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
             return 1
         commands.append(("the extract stage's SGLang server", *launch_command(cfg, c)))
     else:
-        commands.append(("the extract stage's engine",
-                         [sys.executable, "-m", "eagle3d.capture.worker", "-c", in_force], {}))
+        commands.append(("the extract stage's engine", worker_argv(cfg), {}))
     for what, argv, env in commands:
         if len(commands) > 1:
             print(f"# {what}")

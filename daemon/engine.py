@@ -29,15 +29,20 @@ class EngineUnavailable(RuntimeError):
     """The engine cannot be started as configured; the message tells the operator why."""
 
 
+def worker_argv(cfg: Config) -> list[str]:
+    """The transformers engine's command, reading the config in force (the daemon writes it
+    into the state folder), never the operator's editable file."""
+    return [sys.executable, "-m", "eagle3d.capture.worker",
+            "-c", str(layout.config_in_force(cfg.paths.state_dir))]
+
+
 class WorkerEngine:
     """`python -m eagle3d.capture.worker`: the protocol is documented in capture/worker.py."""
 
     kind = "transformers"
 
     def __init__(self, cfg: Config, pid_dir: Path) -> None:
-        in_force = layout.config_in_force(cfg.paths.state_dir)
-        self.child = Child("engine", [sys.executable, "-m", "eagle3d.capture.worker",
-                                      "-c", str(in_force)], pid_dir,
+        self.child = Child("engine", worker_argv(cfg), pid_dir,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         self.ready = False
         self.device = ""

@@ -29,6 +29,12 @@ RATE_WINDOW_S = 120.0
 STOP_GRACE_S = 30.0  # SGLang ends its scheduler processes on SIGTERM within seconds
 
 
+def generator_argv(cfg: Config) -> list[str]:
+    """The generator's command, reading the config in force, never the operator's file."""
+    return [sys.executable, "-m", "eagle3d.capture.generator",
+            "-c", str(layout.config_in_force(cfg.paths.state_dir))]
+
+
 class GenerateStage:
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
         self.cfg = cfg
@@ -72,9 +78,7 @@ class GenerateStage:
             return
         if self.cfg.target.engine == "sglang" and not self._start_server():
             return
-        self.child = Child("generator", [sys.executable, "-m", "eagle3d.capture.generator", "-c",
-                                         str(layout.config_in_force(self.cfg.paths.state_dir))],
-                           self.pid_dir)
+        self.child = Child("generator", generator_argv(self.cfg), self.pid_dir)
 
     def _round_end(self, decision: Decision) -> tuple[int | None, str] | None:
         """How the running round (generator and server) ends, or None while it goes on: the
