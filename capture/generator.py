@@ -8,7 +8,8 @@ cache), tokenizes each finished conversation with the planner's `plan_batch` (to
 assistant loss mask, exactly as for a source's own answers), and commits it: the conversation,
 checksummed, with the settings it was written with, and the sample now pending extraction.
 
-A conversation stops taking turns when the next answer would not fit in [data] max_tokens. One
+A conversation stops taking turns when the next answer would not fit in [data] max_tokens; one
+whose text still comes out over it has its last answer shortened to fit (Writer.sample). One
 that cannot be tokenized counts an attempt (failed, with the reason, after [generate]
 max_attempts). Killed, the generator loses only the batch in hand: the daemon returns
 `generating` conversations to `ungenerated`, counting the attempt.
@@ -35,7 +36,7 @@ from eagle3d.target import loading
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, GenerateConfig
 from eagle3d.statemachine.entry import OK, Refusal, child_main
-from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from eagle3d.statemachine.lifecycle import die_with_parent
 
 log = logging.getLogger("eagle3d.generator")
@@ -45,6 +46,8 @@ PROGRESS_EVERY_S = 10.0
 # first: a batch decodes padded to its longest prompt, and one long prompt among short ones made
 # the whole batch pay for it (on 2 CPU cores, a batch of ShareGPT prompts took minutes).
 CLAIM_WINDOW = 8
+# Shortenings tried on a written conversation whose text comes out over max_tokens (Writer.sample).
+FIT_TRIES = 4
 
 
 class Decoder(Protocol):
@@ -133,6 +136,40 @@ class Writer:
                     left[i] = []  # cut by [data] max_tokens: this conversation ends here
             turn += 1
 
+    def sample(self, idx: int, messages: list[dict]) -> tuple[PlannedSample | None, list[dict],
+                                                              str]:
+        """A written conversation planned as a sample (token ids and loss mask, as for a source's
+        own answers): the sample, the messages it was planned from, and why not where none fits.
+
+        Its text can take more tokens than the target wrote it with: bytes that are not whole
+        UTF-8 characters (an answer cut inside one, or stray bytes from a small model) decode to
+        U+FFFD, which encodes to more tokens than those bytes took. On the H200's full-scale run
+        2 of 15,088 conversations came out 1 and 4 tokens over max_tokens, came out the same on
+        every retry, failed and closed the training gate. So one that comes out over has its
+        last answer shortened by the excess until it fits. Only the last answer can grow past
+        the limit: each earlier one is in the next prompt, whose length the room was taken
+        from."""
+        why = "nothing to tokenize"
+        for _ in range(FIT_TRIES):
+            planned, skipped = plan_batch(self.tokenizer, [Conversation(idx, tuple(messages))],
+                                          self.max_tokens)
+            if planned:
+                return planned[0], messages, ""
+            why = skipped[0][1] if skipped else why
+            excess = self._tokens(messages) - self.max_tokens
+            if excess <= 0 or messages[-1]["role"] != "assistant":
+                break
+            answer = self.tokenizer(messages[-1]["content"], add_special_tokens=False)["input_ids"]
+            if excess >= len(answer):
+                break
+            text = self.tokenizer.decode(answer[:len(answer) - excess], skip_special_tokens=True)
+            messages = [*messages[:-1], {"role": "assistant", "content": text.strip()}]
+        return None, messages, why
+
+    def _tokens(self, messages: list[dict]) -> int:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False)
+        return len(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def _until_stop(self, answer: list[int]) -> list[int]:
         return answer[:next((k for k, t in enumerate(answer) if t in self.eos), len(answer))]
 
@@ -198,15 +235,12 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         while batch := ledger.claim_prompts(cfg.generate.batch_size,
                                             window=CLAIM_WINDOW * cfg.generate.batch_size):
             seed = cfg.generate.seed + batch[0][0].idx
-            for (sample, _), messages in zip(batch, writer.answer([p for _, p in batch], seed)):
-                planned, skipped = plan_batch(tokenizer, [Conversation(sample.idx,
-                                                                       tuple(messages))],
-                                              cfg.data.max_tokens)
+            for (sample, _), written in zip(batch, writer.answer([p for _, p in batch], seed)):
+                planned, messages, why = writer.sample(sample.idx, written)
                 if planned:
-                    ledger.mark_generated(planned[0]._replace(id=sample.id), messages, settings)
+                    ledger.mark_generated(planned._replace(id=sample.id), messages, settings)
                     done += 1
                 else:
-                    why = skipped[0][1] if skipped else "nothing to tokenize"
                     log.warning("sample %s: the generated conversation cannot be used: %s",
                                 sample.id, why)
                     ledger.mark_retry(sample.id, f"generate: {why}", cfg.generate.max_attempts,

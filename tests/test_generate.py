@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from eagle3d.capture.generator import TransformersDecoder, Writer
-from eagle3d.capture.planner import plan_prompts
+from eagle3d.capture.planner import plan_batch, plan_prompts
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import GenerateConfig, load_config
@@ -146,6 +146,44 @@ def test_every_planned_prompt_gets_an_answer_and_a_prompt_without_room_is_skippe
     assert plan_prompts(tokenizer, [conv], prompt_tokens + 20)[0] == []
     assert plan_prompts(tokenizer, [conv], prompt_tokens + 30)[0] != []
 
+
+
+# In SmolLM2's vocabulary: two bytes of a three-byte character. Written without its third byte it
+# decodes to U+FFFD twice, which encodes to two tokens.
+BROKEN_PIECE = 45644
+
+
+class StrayBytes:
+    """A decoder writing what a small model sometimes writes: pieces of characters, as many as
+    each answer has room for."""
+
+    def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
+        return [[BROKEN_PIECE] * room for room in rooms]
+
+
+def test_a_written_conversation_whose_text_takes_more_tokens_is_shortened_to_fit(
+        config_factory, tmp_path):
+    """An answer's text can take more tokens than the target wrote it with; the conversation
+    then still becomes a sample within max_tokens, its last answer shortened, instead of failing
+    on every retry and closing the training gate (2 of 15,088 did on the H200)."""
+    cfg = load_config(target_config(config_factory, tmp_path, 1))
+    tokenizer = loading.load_tokenizer(cfg.target.model_path)
+    piece_text = tokenizer.decode([BROKEN_PIECE])
+    assert len(tokenizer(piece_text, add_special_tokens=False)["input_ids"]) == 2
+    prompt = [{"role": "user", "content": "Write in Japanese."},
+              {"role": "user", "content": "And more."}]
+    writer = Writer(StrayBytes(), tokenizer, {tokenizer.eos_token_id},
+                    GenerateConfig(max_new_tokens=64, max_turns=2), max_tokens=256)
+    written = writer.answer([prompt], seed=0)[0]
+    assert [m["role"] for m in written] == ["user", "assistant", "user", "assistant"]
+    planned, skipped = plan_batch(tokenizer, [Conversation(0, tuple(written))], 256)
+    assert planned == [] and skipped[0][1].startswith("over max_tokens")
+
+    sample, messages, why = writer.sample(0, written)
+    assert sample is not None, why
+    assert sample.tokens <= 256 and sample.loss_tokens > 0
+    assert messages[:3] == written[:3]
+    assert 0 < len(messages[3]["content"]) < len(written[3]["content"])
 
 
 def sglang_config(config_factory, tmp_path, n: int) -> Path:
