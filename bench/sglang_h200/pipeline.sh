@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # The daemon with engine = "sglang" on SmolLM2-135M-Instruct: it starts SGLang itself (launcher,
 # start watcher, plugin, client) and runs plan → [generate] → extract → verify → train → done;
-# then the acceptance length of the exported drafter on 40 held-out prompts. Figures in
-# OUTDIR/summary.json, the daemon's log in OUTDIR/daemon.log.
+# then the acceptance length of the exported drafter on 48 held-out prompts. Figures in
+# OUTDIR/summary.json (stage times, dataset tokens and bytes, the training curve, eval), the
+# daemon's log in OUTDIR/daemon.log.
 #   [RESPONSES=target] bench/sglang_h200/pipeline.sh MODEL_DIR CONVERSATIONS OUTDIR [SERVER_ARG...]
 # RESPONSES=target has the target write every assistant turn first (2 turns of at most 384
 # tokens, greedy) through the generate stage's own SGLang server; the default, dataset, trains
 # on the conversations' own answers. LIMIT (default 3200) conversations from the first are
 # planned; eval takes 48 from there, EVAL_TOKENS (default 64) new tokens each. GEN_BATCH
 # (default 512) conversations are answered together: each turn of a batch waits for its longest
-# answer, so SGLang's decode batches stay full longer with more. EPOCHS (default 3) of training.
+# answer, so SGLang's decode batches stay full longer with more. EPOCHS (default 3) of training,
+# stopped at MAX_STEPS optimiser steps where set (the same budget for runs of unequal sizes).
+# DUMP_DTYPE (default bfloat16) is [extract] dump_dtype. Two runs side by side on one GPU need
+# their own PORT (default 30555); the spool is named after OUTDIR, and each SGLang server takes
+# mem_fraction of the GPU memory free when it starts (SGLang sizes its cache that way).
 set -euo pipefail
 model=$(realpath "$1"); source=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
 extra=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
@@ -33,13 +38,14 @@ max_turns = 2
 batch_size = ${GEN_BATCH:-512}
 [paths]
 state_dir = "$out/state"
-spool_dir = "/dev/shm/eagle3d-sglang-pipeline"
+spool_dir = "/dev/shm/eagle3d-$(basename "$out")"
 dataset_dir = "$out/dataset"
 train_dir = "$out/train"
 [budget]
 reserve = "4GiB"
 spool_max = "8GiB"
 [extract]
+dump_dtype = "${DUMP_DTYPE:-bfloat16}"
 batch_tokens = 16384
 engine_max_restarts = 1
 max_inflight_tokens = 131072
@@ -52,6 +58,7 @@ device = "cuda"
 draft_vocab = 8192
 ttt_steps = 3
 epochs = ${EPOCHS:-3}
+max_steps = ${MAX_STEPS:-0}
 batch_tokens = 8192
 lr = 1e-3
 warmup_steps = 10
@@ -63,7 +70,7 @@ steps = 4
 max_new_tokens = ${EVAL_TOKENS:-64}
 [sglang]
 python = "python3"
-port = 30555
+port = ${PORT:-30555}
 mem_fraction = 0.3
 startup_timeout_s = 600
 extra_args = $extra
@@ -74,17 +81,4 @@ python3 -c 'import sys; from eagle3d.daemon.main import main; sys.exit(main())' 
 wall=$(( $(date +%s) - started ))
 python3 -c 'import sys; from eagle3d.daemon.ctl import main; sys.exit(main())' \
   -c "$out/sglang.toml" status || true
-python3 - "$out" "$wall" <<'PY'
-import json, sqlite3, sys
-out, wall = sys.argv[1], int(sys.argv[2])
-db = sqlite3.connect(f"{out}/state/ledger.sqlite")
-events = [r for r in db.execute("SELECT kind, detail FROM events ORDER BY seq")]
-ev = json.load(open(f"{out}/train/eval.json"))
-summary = {"wall_s": wall, "events": [e for e in events if e[0].startswith(("engine", "stage", "drafter"))],
-           "acceptance_length": ev["acceptance_length"],
-           "per_position_acceptance": ev["per_position_acceptance"], "prompts": ev["prompts"],
-           "generation": [line.strip() for line in open(f"{out}/daemon.log")
-                          if "generation done" in line]}
-json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
-print(json.dumps(summary, indent=1))
-PY
+python3 "$(dirname "$(realpath "$0")")/../pipeline_summary.py" "$out" "$wall" "${RESPONSES:-dataset}"

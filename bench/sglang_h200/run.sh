@@ -12,15 +12,18 @@
 #   pipeline  the daemon with engine = "sglang": plan → extract → verify → train → done
 #   target    the same with the target's own answers, written by the generate stage's SGLang
 #             server first: plan → generate → extract → verify → train → done (WORK/target)
+#   both      pipeline and target at once on the one GPU (each its own port, spool and
+#             servers), target's output in WORK/out/target.log: the full-scale comparison
 #   compare   the pipeline's dataset (the daemon's own SGLang dumps) vs transformers
 #   serve     the exported drafter (target's where that step ran, else pipeline's) served by
 #             SGLang as an EAGLE-3 draft beside plain SGLang (serve.py), bf16
 #   serve-f32 the same in float32 (the target's greedy decoding, near-ties included)
 #   kernels   smoke and mla again with SGLang's own fused kernels instead of native torch ops:
 #             flashinfer's JIT sources from $FI_DATA (build_bundle.sh's fi-data.tar.xz)
-# pipeline.sh's LIMIT and EVAL_TOKENS pass through. At full scale (17,671 conversations:
-# LIMIT=17600 EVAL_TOKENS=128, a fresh WORK) a step outlasts one 10-minute device command: start
-# it under setsid/nohup with its output in a file, and follow that file in the next commands.
+# pipeline.sh's LIMIT, EVAL_TOKENS, GEN_BATCH, EPOCHS, MAX_STEPS and DUMP_DTYPE pass through. At
+# full scale (17,671 conversations: LIMIT=17600, a fresh WORK) a step outlasts one 10-minute
+# device command: start it under setsid/nohup with its output in a file, and follow that file in
+# the next commands (docs/sglang.md).
 set -euo pipefail
 here=$(dirname "$(realpath "$0")")
 bundle=$(realpath "$1"); gguf=$(realpath -m "$2"); work=$(realpath -m "$3"); shift 3
@@ -34,6 +37,11 @@ smoke() {  # MODEL SUMMARY [ARG...]: capture/sglang_smoke.py as the daemon would
   python3 -m eagle3d.capture.sglang_smoke --model "$1" --python python3 \
     --work "/dev/shm/eagle3d-smoke-$(basename "$2" .json)" --mem-fraction 0.3 \
     --summary "$work/out/$2" "${@:3}" $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}")
+}
+arm() {  # pipeline|target PORT: the daemon's whole run, its figures in WORK/out/ARM.json
+  RESPONSES=$( [ "$1" = target ] && echo target || echo dataset ) PORT=$2 "$here/pipeline.sh" \
+    "$work/model" "$conversations" "$work/$1" "${SERVER_ARGS[@]}"
+  cp "$work/$1/summary.json" "$work/out/$1.json"
 }
 mla_model() {  # the random DeepSeek-V3 model, with SmolLM2's tokenizer, made once
   [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
@@ -50,10 +58,10 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
         "$work/model" ;;
     smoke) smoke "$work/model" smoke.json --overhead 5 ;;
     mla) mla_model; smoke "$work/mla" mla.json ;;
-    pipeline) "$here/pipeline.sh" "$work/model" "$conversations" "$work/pipeline" \
-        "${SERVER_ARGS[@]}"; cp "$work/pipeline/summary.json" "$work/out/pipeline.json" ;;
-    target) RESPONSES=target "$here/pipeline.sh" "$work/model" "$conversations" "$work/target" \
-        "${SERVER_ARGS[@]}"; cp "$work/target/summary.json" "$work/out/target.json" ;;
+    pipeline) arm pipeline 30555 ;;
+    target) arm target 30556 ;;
+    both) arm target 30556 > "$work/out/target.log" 2>&1 & target=$!
+      arm pipeline 30555; wait $target ;;
     compare) python3 -m eagle3d.capture.sglang_smoke --dataset "$work/pipeline/sglang.toml" \
         --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
     serve|serve-f32) run=$( [ -e "$work/target/train/eval.json" ] && echo target || echo pipeline )
