@@ -31,8 +31,9 @@ PY
 done
 for setting in "$@"; do
   name=$(echo "$setting" | tr ' =' '_-')
-  "$py" -c 'import json, sys; e = json.load(open(sys.argv[1]))
-print(f"{sys.argv[2]}: acceptance length {e[\"acceptance_length\"]:.3f} "
-      f"({e[\"acceptance_length_ci95\"][0]:.3f}-{e[\"acceptance_length_ci95\"][1]:.3f}), "
-      f"identical to greedy {e[\"identical_to_greedy\"]}")' "$out/$name.eval.json" "$setting"
+  "$py" -c 'import json, sys; e = json.load(open(sys.argv[1])); low, high = e["acceptance_length_ci95"]
+per = [round(a, 3) for a in e["per_position_acceptance"]]
+print("%s: acceptance length %.3f (%.3f-%.3f), per position %s, identical to greedy %s"
+      % (sys.argv[2], e["acceptance_length"], low, high, per, e["identical_to_greedy"]))' \
+    "$out/$name.eval.json" "$setting"
 done
