@@ -1,17 +1,19 @@
 """The generate child: `python -m eagle3d.capture.generator -c CONFIG`, where the target writes
 the assistant turns itself ([data] responses = "target").
 
-It works through the ledger as the planner does. It claims `ungenerated` conversations a batch
-at a time (they become `generating`), has the target answer their user turns one turn at a time,
-each answer conditioned on its own earlier answers (the batch decodes together, with a KV
-cache), tokenizes each finished conversation with the planner's `plan_batch` (token ids and the
-assistant loss mask, exactly as for a source's own answers), and commits it: the conversation,
-checksummed, with the settings it was written with, and the sample now pending extraction.
+It works through the ledger as the planner does. It claims `ungenerated` conversations (they
+become `generating`) and has the target answer their user turns one turn at a time, each answer
+conditioned on its own earlier answers: with transformers a batch at a time, decoded together
+with a KV cache; with SGLang [generate] batch_size conversations in flight, each on its own
+(_write_streaming). It tokenizes each finished conversation with the planner's `plan_batch`
+(token ids and the assistant loss mask, exactly as for a source's own answers), and commits it:
+the conversation, checksummed, with the settings it was written with, and the sample now pending
+extraction.
 
 A conversation stops taking turns when the next answer would not fit in [data] max_tokens; one
 whose text still comes out over it has its last answer shortened to fit (Writer.sample). One
 that cannot be tokenized counts an attempt (failed, with the reason, after [generate]
-max_attempts). Killed, the generator loses only the batch in hand: the daemon returns
+max_attempts). Killed, the generator loses only the conversations in hand: the daemon returns
 `generating` conversations to `ungenerated`, counting the attempt.
 
 Exit codes: statemachine/entry.py.
@@ -24,7 +26,9 @@ import logging
 import signal
 import sys
 import time
-from typing import Any, Protocol
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
 
 import torch
 
@@ -36,7 +40,7 @@ from eagle3d.target import loading
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, GenerateConfig
 from eagle3d.statemachine.entry import OK, Refusal, child_main
-from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.ledger import Ledger, PlannedSample, Sample
 from eagle3d.statemachine.lifecycle import die_with_parent
 
 log = logging.getLogger("eagle3d.generator")
@@ -85,8 +89,9 @@ class TransformersDecoder:
 
 
 class SGLangDecoder:
-    """The generate stage's SGLang server (daemon/generate_stage.py starts it): one batched
-    /generate per turn, each request with its own room and seed."""
+    """The generate stage's SGLang server (daemon/generate_stage.py starts it): one /generate
+    for the prompts given, each with its own room and seed (the generator gives it one
+    conversation's turn at a time, from many threads)."""
 
     def __init__(self, base_url: str, eos: set[int], settings: GenerateConfig) -> None:
         self.base_url, self.eos, self.settings = base_url, eos, settings
@@ -101,8 +106,20 @@ class SGLangDecoder:
         return sglang_client.generate(self.base_url, prompts, sampling)
 
 
+@dataclass
+class Written:
+    """One conversation as the target writes it: its turns so far, the turns still to take, and
+    the request it waits on (prompt ids and room for the answer), None once finished."""
+    conv: list[dict]
+    left: list[dict]
+    ask: tuple[list[int], int] | None = None
+    turns: int = 0
+
+
 class Writer:
-    """The target answering a batch of conversations, turn by turn."""
+    """The target answering conversations, turn by turn: `begin` a conversation, send its `ask`
+    to a decoder, `take` the answer, until `ask` is None. `answer` drives a batch of them in
+    lockstep; the generator drives SGLang's one at a time (_write_streaming)."""
 
     def __init__(self, decode: Decoder, tokenizer: Any, eos: set[int],
                  settings: GenerateConfig, max_tokens: int) -> None:
@@ -112,29 +129,40 @@ class Writer:
 
     def answer(self, prompts: list[list[dict]], seed: int) -> list[list[dict]]:
         """Each prompt (system and user turns) with the target's answer after every user turn
-        that fits; the last turn is always an answer."""
-        convs: list[list[dict]] = [[] for _ in prompts]
-        left = [list(p) for p in prompts]
+        that fits; the last turn is always an answer. One decode per turn for the whole batch."""
+        written = [self.begin(p) for p in prompts]
         turn = 0
-        while True:
-            asks = []  # (conversation, prompt ids, room for the answer)
-            for i, conv in enumerate(convs):
-                ids = self._next_prompt(conv, left[i])
-                if ids is not None:
-                    asks.append((i, ids, min(self.settings.max_new_tokens,
-                                             self.max_tokens - len(ids) - END_MARGIN)))
-            if not asks:
-                return convs
-            answers = self.decode([ids for _, ids, _ in asks], [room for *_, room in asks],
-                                  seed + turn)
-            for (i, _, room), answer in zip(asks, answers):
-                answer = self._until_stop(answer)[:room]
-                self.new_tokens += len(answer)
-                text = self.tokenizer.decode(answer, skip_special_tokens=True)
-                convs[i].append({"role": "assistant", "content": text.strip()})
-                if len(answer) == room < self.settings.max_new_tokens:
-                    left[i] = []  # cut by [data] max_tokens: this conversation ends here
+        while asks := [w for w in written if w.ask is not None]:
+            answers = self.decode([w.ask[0] for w in asks], [w.ask[1] for w in asks], seed + turn)
+            for w, answer in zip(asks, answers):
+                self.take(w, answer)
             turn += 1
+        return [w.conv for w in written]
+
+    def begin(self, prompt: list[dict]) -> Written:
+        w = Written([], list(prompt))
+        w.ask = self._next_ask(w)
+        return w
+
+    def take(self, w: Written, answer: list[int]) -> None:
+        """The answer to w.ask (cut at its first stop token and at its room) joins the
+        conversation; w.ask becomes the next turn's request, or None."""
+        assert w.ask is not None
+        room = w.ask[1]
+        answer = self._until_stop(answer)[:room]
+        self.new_tokens += len(answer)
+        text = self.tokenizer.decode(answer, skip_special_tokens=True)
+        w.conv.append({"role": "assistant", "content": text.strip()})
+        w.turns += 1
+        if len(answer) == room < self.settings.max_new_tokens:
+            w.left = []  # cut by [data] max_tokens: this conversation ends here
+        w.ask = self._next_ask(w)
+
+    def _next_ask(self, w: Written) -> tuple[list[int], int] | None:
+        ids = self._next_prompt(w.conv, w.left)
+        if ids is None:
+            return None
+        return ids, min(self.settings.max_new_tokens, self.max_tokens - len(ids) - END_MARGIN)
 
     def sample(self, idx: int, messages: list[dict]) -> tuple[PlannedSample | None, list[dict],
                                                               str]:
@@ -220,6 +248,57 @@ def _decoder(cfg: Config, tokenizer: Any) -> tuple[Decoder, set[int]]:
     return TransformersDecoder(model, pad, eos, cfg.generate), eos
 
 
+def _write_in_batches(writer: Writer, ledger: Ledger,
+                      cfg: Config) -> Iterator[tuple[Sample, list[dict]]]:
+    """A batch of conversations at a time, every turn one decode of the whole batch: what a
+    model in this process decodes fastest (transformers' batched `generate`)."""
+    while batch := ledger.claim_prompts(cfg.generate.batch_size,
+                                        window=CLAIM_WINDOW * cfg.generate.batch_size):
+        seed = cfg.generate.seed + batch[0][0].idx
+        yield from zip((sample for sample, _ in batch),
+                       writer.answer([prompt for _, prompt in batch], seed))
+
+
+def _write_streaming(writer: Writer, ledger: Ledger,
+                     cfg: Config) -> Iterator[tuple[Sample, list[dict]]]:
+    """[generate] batch_size conversations in flight, each asking its next turn as soon as its
+    last answer is back, and a finished one's place going to the next at once: SGLang batches
+    whatever requests are in flight, so its batch stays full. In lockstep every turn waited for
+    its batch's longest answer (on the H200 a batch of 2,048 drained to 1,556 running requests
+    within the first 27 s of a turn). Only the requests wait on threads; the tokenizer and the
+    ledger stay on this one. Each request is seeded by its conversation and turn."""
+    pool = ThreadPoolExecutor(cfg.generate.batch_size, thread_name_prefix="generate")
+    inflight: dict[Future, tuple[Sample, Written]] = {}
+
+    def ask(sample: Sample, w: Written) -> None:
+        assert w.ask is not None
+        ids, room = w.ask
+        seed = cfg.generate.seed + sample.idx + w.turns
+        inflight[pool.submit(writer.decode, [ids], [room], seed)] = (sample, w)
+
+    try:
+        while True:
+            free = cfg.generate.batch_size - len(inflight)
+            for sample, prompt in ledger.claim_prompts(free) if free else []:
+                w = writer.begin(prompt)
+                if w.ask is None:
+                    yield sample, w.conv
+                else:
+                    ask(sample, w)
+            if not inflight:
+                return
+            finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
+            for future in finished:
+                sample, w = inflight.pop(future)
+                writer.take(w, future.result()[0])
+                if w.ask is None:
+                    yield sample, w.conv
+                else:
+                    ask(sample, w)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
 def _run(cfg: Config, args: argparse.Namespace) -> int:
     die_with_parent(signal.SIGTERM)
     doc = contract.read_checked(cfg.paths.dataset_dir)
@@ -228,23 +307,21 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     tokenizer = loading.load_tokenizer(cfg.target.model_path)
     decode, eos = _decoder(cfg, tokenizer)
     writer = Writer(decode, tokenizer, eos, cfg.generate, cfg.data.max_tokens)
+    write = _write_streaming if cfg.target.engine == "sglang" else _write_in_batches
     settings = {**cfg.generate._asdict(), "model": cfg.target.model,
                 "target_fingerprint": fingerprint, "engine": cfg.target.engine}
     started, done, last_report = time.monotonic(), 0, 0.0
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
-        while batch := ledger.claim_prompts(cfg.generate.batch_size,
-                                            window=CLAIM_WINDOW * cfg.generate.batch_size):
-            seed = cfg.generate.seed + batch[0][0].idx
-            for (sample, _), written in zip(batch, writer.answer([p for _, p in batch], seed)):
-                planned, messages, why = writer.sample(sample.idx, written)
-                if planned:
-                    ledger.mark_generated(planned._replace(id=sample.id), messages, settings)
-                    done += 1
-                else:
-                    log.warning("sample %s: the generated conversation cannot be used: %s",
-                                sample.id, why)
-                    ledger.mark_retry(sample.id, f"generate: {why}", cfg.generate.max_attempts,
-                                      frm=("generating",))
+        for sample, written in write(writer, ledger, cfg):
+            planned, messages, why = writer.sample(sample.idx, written)
+            if planned:
+                ledger.mark_generated(planned._replace(id=sample.id), messages, settings)
+                done += 1
+            else:
+                log.warning("sample %s: the generated conversation cannot be used: %s",
+                            sample.id, why)
+                ledger.mark_retry(sample.id, f"generate: {why}", cfg.generate.max_attempts,
+                                  frm=("generating",))
             now = time.monotonic()
             if now - last_report >= PROGRESS_EVERY_S:
                 last_report = now

@@ -228,6 +228,25 @@ def test_the_sglang_engine_writes_the_answers_the_target_writes(config_factory, 
             assert messages == writer.answer([json.loads(prompt)], seed=0)[0]
 
 
+def test_a_slow_answer_holds_up_no_other_conversation(config_factory, tmp_path):
+    """With SGLang, conversations go through the server each on its own: while one answer
+    takes long, the other conversations' turns and the next conversations go on, keeping
+    SGLang's batch full (in lockstep every turn of a batch waited for its slowest answer). The
+    stand-in server holds the first request until two others have been answered."""
+    config = sglang_config(config_factory, tmp_path, 3)
+    released = tmp_path / "released"
+    with DaemonProcess(config, env={"FAKE_SGLANG": "hold-first",
+                                    "FAKE_SGLANG_LOG": str(released)}) as d:
+        wait_for(lambda: "started engine" in d.output() or "stage failed" in d.output(), 600,
+                 "the capture engine's start")
+        log = d.output()
+    assert "stage failed" not in log, log[-4000:]
+    assert released.read_text() == "released by 2 other answers\n"
+    cfg = load_config(config)
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
+        assert all(ledger.generated(s.id)[0][-1]["content"] for s in ledger.samples())
+
+
 def test_a_generation_server_that_dies_stops_the_stage_with_its_reason(config_factory,
                                                                       tmp_path):
     config = sglang_config(config_factory, tmp_path, 2)

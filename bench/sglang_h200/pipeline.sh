@@ -9,8 +9,7 @@
 # tokens, greedy) through the generate stage's own SGLang server; the default, dataset, trains
 # on the conversations' own answers. LIMIT (default 3200) conversations from the first are
 # planned; eval takes 48 from there, EVAL_TOKENS (default 64) new tokens each. GEN_BATCH
-# (default 512) conversations are answered together: each turn of a batch waits for its longest
-# answer, so SGLang's decode batches stay full longer with more. EPOCHS (default 3) of training,
+# (default 512) conversations are in flight at once ([generate] batch_size). EPOCHS (default 3) of training,
 # stopped at MAX_STEPS optimiser steps where set (the same budget for runs of unequal sizes).
 # DUMP_DTYPE (default bfloat16) is [extract] dump_dtype. Two runs side by side on one GPU need
 # their own PORT (default 30555); the spool is named after OUTDIR, and each SGLang server takes

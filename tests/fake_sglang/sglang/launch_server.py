@@ -10,16 +10,21 @@ otherwise:
 Started without (the generate stage's server), it loads the real target from --model-path and
 answers batched /generate requests greedily, one request at a time, as SGLang answers them:
 each request's new ids, its stop token included. FAKE_SGLANG=die-generating makes it exit with
-code 3 at the first /generate instead.
+code 3 at the first /generate instead; FAKE_SGLANG=hold-first holds the first /generate until
+HOLD_UNTIL other requests have been answered (or HOLD_LIMIT_S has passed) and then writes to the
+file FAKE_SGLANG_LOG which of the two released it.
 """
 
 import json
 import os
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 HEALTH_SECONDS = 1.5
+HOLD_UNTIL = 2
+HOLD_LIMIT_S = 120
 
 
 def arg(name: str) -> str:
@@ -46,11 +51,27 @@ class Generator:
         from eagle3d.target import loading
         self.mode = mode
         self.model = loading.load_model(arg("--model-path"), "float32", "cpu")
+        self.first, self.counting = threading.Lock(), threading.Lock()
+        self.answered, self.others_done = 0, threading.Event()
 
     def __call__(self, body: dict) -> list[dict]:
-        import torch
         if self.mode == "die-generating":
             os._exit(3)
+        if self.mode == "hold-first" and self.first.acquire(blocking=False):
+            released = self.others_done.wait(HOLD_LIMIT_S)
+            with open(os.environ["FAKE_SGLANG_LOG"], "w") as log:
+                log.write(f"released by {HOLD_UNTIL} other answers\n" if released
+                          else f"released after {HOLD_LIMIT_S} s\n")
+            return self.decode(body)
+        answers = self.decode(body)
+        with self.counting:
+            self.answered += 1
+            if self.answered >= HOLD_UNTIL:
+                self.others_done.set()
+        return answers
+
+    def decode(self, body: dict) -> list[dict]:
+        import torch
         answers = []
         for ids, params in zip(body["input_ids"], body["sampling_params"]):
             assert params["temperature"] == 0.0, "the fake decodes greedily only"
