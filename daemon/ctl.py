@@ -79,7 +79,8 @@ def collect_status(cfg: Config) -> dict[str, Any]:
             samples["skipped"] = ledger.skipped_count()
             tokens = {"done": counts.done_tokens, "total": counts.wanted_tokens}
             g = gate(counts)
-            out["gate"] = {"open": g.open, "describe": g.describe()}
+            out["gate"] = {"open": g.open, "describe": g.describe(),
+                           "waits_for_operator": g.waits_for_operator}
             for s in ledger.samples("failed", limit=5):
                 blocking.append({"id": s.id, "status": s.status, "attempts": s.attempts,
                                  "error": s.error})
@@ -112,10 +113,18 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     return out
 
 
+WAITS_FOR_OPERATOR = 4
+
+
 def status_code(st: dict[str, Any]) -> int:
+    """0 running, 1 failed, 3 daemon not running, 4 running but waiting for an operator: a
+    monitoring check pages on anything but 0 (a run stuck at the training gate is not lost
+    time for nobody to notice)."""
     if not st["daemon"]["alive"]:
         return 3
-    return 1 if st["stage"] == "failed" else 0
+    if st["stage"] == "failed":
+        return 1
+    return WAITS_FOR_OPERATOR if st.get("gate", {}).get("waits_for_operator") else 0
 
 
 def render_status(st: dict[str, Any]) -> str:

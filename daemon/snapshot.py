@@ -55,7 +55,8 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
         "engine": daemon.extract.status(),
         "trainer": trainer,
         "verify": daemon.verify.status(),
-        "gate": {"open": gate.open, "describe": gate.describe()},
+        "gate": {"open": gate.open, "describe": gate.describe(),
+                 "waits_for_operator": gate.waits_for_operator},
         "daemon": {"pid": os.getpid(), "started": daemon.started, "heartbeat": time.time(),
                    "alive": not final},
     }

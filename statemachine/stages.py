@@ -29,6 +29,12 @@ class Gate(NamedTuple):
     open: bool
     blocking: dict[str, int]
 
+    @property
+    def waits_for_operator(self) -> bool:
+        """Closed by failed samples alone: nothing else is left to do, and only an operator's
+        retry or exclude moves the pipeline on (eagle3ctl status exits 4)."""
+        return not self.open and set(self.blocking) == {"failed"}
+
     def describe(self) -> str:
         if self.open:
             return "open"
@@ -77,7 +83,7 @@ def _work_stage(f: Facts) -> tuple[Stage, str]:
         return Stage.VERIFY, f"{c.get('extracted')} samples to verify"
     g = gate(c)
     if not g.open:
-        if c.get("failed"):
+        if g.waits_for_operator:
             return Stage.VERIFY, (f"training gate {g.describe()}: retry them (eagle3ctl retry "
                                   "--failed) or exclude them with a reason (eagle3ctl exclude)")
         return Stage.FAILED, "every sample is excluded: nothing to train on"

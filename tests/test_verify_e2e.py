@@ -102,7 +102,8 @@ def test_damage_is_caught_reextracted_and_a_stubborn_sample_blocks_the_gate(conf
                             and "gate" in s["reason"], 300, "the failed sample")
         assert st["stage"] == "verify" and "gate" in st["reason"]
         assert st["blocking"][0]["id"] == stubborn and "checksum" in st["blocking"][0]["error"]
-        assert "1 failed" in ctl(config, "status").stdout
+        waiting = ctl(config, "status")
+        assert waiting.returncode == 4 and "1 failed" in waiting.stdout
         time.sleep(3)
         assert d.proc.poll() is None and status(config)["stage"] == "verify"
         assert stubborn in ctl(config, "samples", "--status", "failed").stdout
