@@ -10,9 +10,11 @@ export PYTHONPATH="$work/site:$here/stubs"
 end=$((SECONDS + $2))
 while :; do
   for arm in pipeline target; do
-    [ -e "$work/$arm/sglang.toml" ] && timeout 20 python3 -c \
+    # Its exit code last: 4 is a pipeline waiting for an operator (retry or exclude).
+    [ -e "$work/$arm/sglang.toml" ] && { timeout 20 python3 -c \
       'import sys; from eagle3d.daemon.ctl import main; sys.exit(main())' \
       -c "$work/$arm/sglang.toml" status > "$dest/status-$arm.txt" 2>&1
+      echo "exit $?" >> "$dest/status-$arm.txt"; }
     [ -e "$work/$arm/train/metrics.jsonl" ] && cp "$work/$arm/train/metrics.jsonl" "$dest/$arm-metrics.jsonl"
   done
   tail -n 40 "$work/run.log" > "$dest/run.tail" 2>&1
