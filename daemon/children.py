@@ -13,12 +13,15 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import IO, Sequence
 
 import psutil
 
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.lifecycle import die_with_parent
 
 log = logging.getLogger("eagle3d")
@@ -35,6 +38,13 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     env.update(extra or {})
     return env
+
+
+def module_argv(cfg: Config, module: str, *args: str) -> list[str]:
+    """`python -m MODULE -c CONFIG ARGS…` for a child of the daemon, where CONFIG is the config
+    in force (the daemon writes it into the state folder), never the operator's editable file."""
+    return [sys.executable, "-m", module, "-c", str(layout.config_in_force(cfg.paths.state_dir)),
+            *args]
 
 
 class Child:

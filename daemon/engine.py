@@ -12,14 +12,12 @@ import queue
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, remaining
-from eagle3d.statemachine import layout
+from eagle3d.daemon.children import Child, module_argv, remaining
 from eagle3d.statemachine.config import Config
 
 log = logging.getLogger("eagle3d")
@@ -30,10 +28,7 @@ class EngineUnavailable(RuntimeError):
 
 
 def worker_argv(cfg: Config) -> list[str]:
-    """The transformers engine's command, reading the config in force (the daemon writes it
-    into the state folder), never the operator's editable file."""
-    return [sys.executable, "-m", "eagle3d.capture.worker",
-            "-c", str(layout.config_in_force(cfg.paths.state_dir))]
+    return module_argv(cfg, "eagle3d.capture.worker")
 
 
 class WorkerEngine:

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import collections
 import logging
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, remaining
-from eagle3d.statemachine import entry, layout
+from eagle3d.daemon.children import Child, module_argv, remaining
+from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
 from eagle3d.statemachine.stages import Decision, Stage
@@ -30,9 +29,7 @@ STOP_GRACE_S = 30.0  # SGLang ends its scheduler processes on SIGTERM within sec
 
 
 def generator_argv(cfg: Config) -> list[str]:
-    """The generator's command, reading the config in force, never the operator's file."""
-    return [sys.executable, "-m", "eagle3d.capture.generator",
-            "-c", str(layout.config_in_force(cfg.paths.state_dir))]
+    return module_argv(cfg, "eagle3d.capture.generator")
 
 
 class GenerateStage:

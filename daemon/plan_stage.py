@@ -6,12 +6,11 @@ the stage may move on before the exit is seen, and a restart must reach the same
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, remaining
-from eagle3d.statemachine import entry, layout
+from eagle3d.daemon.children import Child, module_argv, remaining
+from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
@@ -60,9 +59,8 @@ class PlanStage:
         """Start the planner when the plan is wanted; reap it whenever it exits."""
         if self.child is None:
             if decision.stage == Stage.PLAN:
-                self.child = Child("planner", [sys.executable, "-m", "eagle3d.capture.planner",
-                                               "-c", str(layout.config_in_force(
-                                                   self.cfg.paths.state_dir))], self.pid_dir)
+                self.child = Child("planner", module_argv(self.cfg, "eagle3d.capture.planner"),
+                                   self.pid_dir)
             return
         code = self.child.poll()
         if code is None:

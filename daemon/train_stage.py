@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.daemon.children import Child, remaining
+from eagle3d.daemon.children import Child, module_argv, remaining
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
@@ -38,9 +38,8 @@ def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
 
 
 def eval_argv(cfg: Config) -> list[str]:
-    return [sys.executable, "-m", "eagle3d.drafter.evaluate",
-            "-c", str(layout.config_in_force(cfg.paths.state_dir)), "--json",
-            "--out", str(layout.eval_file(cfg.paths.train_dir))]
+    return module_argv(cfg, "eagle3d.drafter.evaluate", "--json",
+                       "--out", str(layout.eval_file(cfg.paths.train_dir)))
 
 
 class TrainStage:
