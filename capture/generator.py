@@ -113,7 +113,10 @@ class Written:
     conv: list[dict]
     left: list[dict]
     ask: tuple[list[int], int] | None = None
-    turns: int = 0
+
+    @property
+    def answered(self) -> int:
+        return sum(m["role"] == "assistant" for m in self.conv)
 
 
 class Writer:
@@ -153,16 +156,9 @@ class Writer:
         self.new_tokens += len(answer)
         text = self.tokenizer.decode(answer, skip_special_tokens=True)
         w.conv.append({"role": "assistant", "content": text.strip()})
-        w.turns += 1
         if len(answer) == room < self.settings.max_new_tokens:
             w.left = []  # cut by [data] max_tokens: this conversation ends here
         w.ask = self._next_ask(w)
-
-    def _next_ask(self, w: Written) -> tuple[list[int], int] | None:
-        ids = self._next_prompt(w.conv, w.left)
-        if ids is None:
-            return None
-        return ids, min(self.settings.max_new_tokens, self.max_tokens - len(ids) - END_MARGIN)
 
     def sample(self, idx: int, messages: list[dict]) -> tuple[PlannedSample | None, list[dict],
                                                               str]:
@@ -201,27 +197,27 @@ class Writer:
     def _until_stop(self, answer: list[int]) -> list[int]:
         return answer[:next((k for k, t in enumerate(answer) if t in self.eos), len(answer))]
 
-    def _next_prompt(self, conv: list[dict], left: list[dict]) -> list[int] | None:
+    def _next_ask(self, w: Written) -> tuple[list[int], int] | None:
         """Move the turns up to the next user turn into the conversation and return its prompt
-        ids, or None when it is finished (no user turn left, or no room for an answer)."""
-        taken = []
-        answered = sum(m["role"] == "assistant" for m in conv)
-        if self.settings.max_turns and answered >= self.settings.max_turns:
+        ids and the room for the answer, or None when it is finished (max_turns answered, no
+        user turn left, or no room for an answer)."""
+        if self.settings.max_turns and w.answered >= self.settings.max_turns:
             return None
-        while left:
-            taken.append(left.pop(0))
+        taken = []
+        while w.left:
+            taken.append(w.left.pop(0))
             if taken[-1]["role"] == "user":
                 break
         if not taken or taken[-1]["role"] != "user":
             return None
-        text = self.tokenizer.apply_chat_template(conv + taken, tokenize=False,
+        text = self.tokenizer.apply_chat_template(w.conv + taken, tokenize=False,
                                                   add_generation_prompt=True)
         ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         if not room_for_answer(len(ids), self.max_tokens):
-            left.clear()
+            w.left.clear()
             return None
-        conv.extend(taken)
-        return ids
+        w.conv.extend(taken)
+        return ids, min(self.settings.max_new_tokens, self.max_tokens - len(ids) - END_MARGIN)
 
 
 def _decoder(cfg: Config, tokenizer: Any) -> tuple[Decoder, set[int]]:
@@ -273,7 +269,7 @@ def _write_streaming(writer: Writer, ledger: Ledger,
     def ask(sample: Sample, w: Written) -> None:
         assert w.ask is not None
         ids, room = w.ask
-        seed = cfg.generate.seed + sample.idx + w.turns
+        seed = cfg.generate.seed + sample.idx + w.answered
         inflight[pool.submit(writer.decode, [ids], [room], seed)] = (sample, w)
 
     try:
