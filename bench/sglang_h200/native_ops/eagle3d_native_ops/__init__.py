@@ -1,9 +1,10 @@
 """Smoke-only SGLang plugin for a bundle without the kernel libraries' JIT sources: every
-MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) but the MoE layer's runs its pure-torch
-forward_native, and SGLang's JIT KV-cache store is off (it falls back to indexing). Without it
-the first prefill fails: `ninja: error: .../flashinfer/data/csrc/norm.cu missing`. Never install
-it next to a production server: it trades speed for running anywhere. EAGLE3D_NATIVE_OPS=0 turns
-it off (run.sh's kernels step, with flashinfer's JIT sources restored)."""
+MultiPlatformOp (RMSNorm, SiluAndMul, rotary embedding) but the MoE router and experts runs its
+pure-torch forward_native, and SGLang's JIT KV-cache store is off (it falls back to indexing).
+Without it the first prefill fails: `ninja: error: .../flashinfer/data/csrc/norm.cu missing`.
+Never install it next to a production server: it trades speed for running anywhere.
+EAGLE3D_NATIVE_OPS=0 turns it off (run.sh's kernels step, with flashinfer's JIT sources
+restored)."""
 
 import logging
 import os
