@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The demo's training recipe, compared on one dataset: retrains the dataset a finished
-# `make demo` left (var/demo) once per setting, each with only [train] keys changed, and prints
-# each one's held-out acceptance length last. Training is seeded, so the demo's own recipe
-# reproduces the demo's figure.
-#   bench/demo_recipe.sh "batch_tokens=2048 lr=1e-3" "batch_tokens=1024 lr=2e-3" ...
+# Training recipes compared on one finished dataset: retrains the dataset a finished run left
+# once per setting, each with only [train] keys changed and its own train_dir, and prints each
+# one's held-out acceptance length last. The run's dataset, ledger and drafter are only read.
+# Training is seeded, so the run's own recipe reproduces the run's figure.
+#   bench/retrain.sh CONFIG OUT "batch_tokens=2048 lr=1e-3" "max_steps=2400" ...
+# CONFIG is the config the run's children ran with (<state_dir>/config.toml: var/demo/state/
+# config.toml after `make demo`); each setting's config, logs and eval.json go to OUT.
+# PYTHON (default: the checkout's .venv) runs eagle3d.
 set -euo pipefail
-repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
-py=$repo/.venv/bin/python
-in_force=$repo/var/demo/state/config.toml   # the config the demo's children ran with
-out=$repo/var/demo-recipe
+repo=$(dirname "$(realpath "$0")")/..
+py=${PYTHON:-$repo/.venv/bin/python}
+in_force=$(realpath "$1"); out=$(realpath -m "$2"); shift 2
 mkdir -p "$out"
 for setting in "$@"; do
   name=$(echo "$setting" | tr ' =' '_-')
