@@ -250,12 +250,36 @@ def confidence_interval(per_prompt: list[tuple[int, int]], seed: int = 0,
     return values[int(0.025 * rounds)], values[int(0.975 * rounds) - 1]
 
 
+# New tokens per bucket of `acceptance_length_by_depth`.
+DEPTH_BLOCK = 32
+
+
+def by_depth(accepted_per_prompt: list[list[int]],
+             block: int = DEPTH_BLOCK) -> list[dict[str, Any]]:
+    """The acceptance length of the verifying forwards that start within each `block` new tokens
+    of an answer (the prefill's token is the answer's first, at depth 0). Training answers run
+    longer than the evaluated ones, and a small model's greedy text grows more predictable as it
+    repeats itself, so where in an answer the drafts land is part of what the figure means."""
+    tokens: dict[int, int] = {}
+    forwards: dict[int, int] = {}
+    for accepted in accepted_per_prompt:
+        at = 1
+        for kept in accepted:
+            bucket = at // block
+            tokens[bucket] = tokens.get(bucket, 0) + kept + 1
+            forwards[bucket] = forwards.get(bucket, 0) + 1
+            at += kept + 1
+    return [{"from": b * block, "acceptance_length": tokens[b] / forwards[b],
+             "forwards": forwards[b]} for b in sorted(forwards)]
+
+
 def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: list[int],
              prompts: list[list[int]], steps: int, max_new_tokens: int, eos: set[int],
              batch_size: int) -> dict[str, Any]:
     started = time.monotonic()
     capture = AuxCapture(target, layer_ids)
     rounds: list[int] = []
+    accepted_per_prompt: list[list[int]] = []
     per_prompt: list[tuple[int, int]] = []  # (tokens from verifying forwards, forwards)
     identical, new_tokens, plain_decodes = True, 0, 0
     # Prompts of like length share a batch: a batch pads every row to its longest prompt.
@@ -270,6 +294,7 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
                 identical &= same
                 plain_decodes += plain
                 rounds += spec.accepted
+                accepted_per_prompt.append(spec.accepted)
                 per_prompt.append((sum(spec.accepted) + len(spec.accepted), len(spec.accepted)))
                 new_tokens += len(spec.tokens)
     finally:
@@ -279,6 +304,7 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
             "acceptance_length_ci95": list(confidence_interval(per_prompt)),
             "per_position_acceptance": [sum(a > j for a in rounds) / max(1, forwards)
                                         for j in range(steps)],
+            "acceptance_length_by_depth": by_depth(accepted_per_prompt),
             "prompts": len(prompts), "new_tokens": new_tokens, "target_forwards": forwards,
             "identical_to_greedy": identical, "plain_decodes": plain_decodes,
             "batch_size": batch_size, "seconds": time.monotonic() - started}
@@ -353,6 +379,9 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
               f"forwards, {report['seconds']:.0f} s)\n"
               f"per-position acceptance: "
               + " ".join(f"{a:.2f}" for a in report["per_position_acceptance"])
+              + "\nby depth in the answer (new tokens from: acceptance length): "
+              + " ".join(f"{d['from']}: {d['acceptance_length']:.2f}"
+                         for d in report["acceptance_length_by_depth"])
               + f"\nidentical to greedy decoding: {report['identical_to_greedy']}")
     return OK if report["identical_to_greedy"] else DIVERGED
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from drafter_fixtures import MODEL, cached_dataset, write_config
-from eagle3d.drafter.evaluate import AuxCapture, greedy, is_greedy, speculative
+from eagle3d.drafter.evaluate import AuxCapture, by_depth, greedy, is_greedy, speculative
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import from_counts
 from eagle3d.statemachine.config import resolve_location
@@ -95,3 +95,11 @@ def test_prompts_decoded_together_each_decode_as_alone_and_as_plain_greedy():
     accepted = [n for t in together for n in t.accepted]
     assert len({len(p) for p in prompts}) == 3 and 0 in accepted and 3 in accepted
     assert len({len(t.accepted) for t in together}) > 1
+
+
+def test_acceptance_by_depth_counts_each_forward_where_it_starts_in_the_answer():
+    # One answer: the prefill's token, then forwards keeping 3, 3, 3, 0, 0 drafts (+ the
+    # target's own token each) start at depths 1, 5, 9, 13, 14. Another keeps none from depth 1.
+    buckets = by_depth([[3, 3, 3, 0, 0], [0, 0]], block=8)
+    assert buckets == [{"from": 0, "acceptance_length": (4 + 4 + 1 + 1) / 4, "forwards": 4},
+                       {"from": 8, "acceptance_length": (4 + 1 + 1) / 3, "forwards": 3}]
