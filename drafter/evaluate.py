@@ -278,9 +278,7 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
              batch_size: int) -> dict[str, Any]:
     started = time.monotonic()
     capture = AuxCapture(target, layer_ids)
-    rounds: list[int] = []
-    accepted_per_prompt: list[list[int]] = []
-    per_prompt: list[tuple[int, int]] = []  # (tokens from verifying forwards, forwards)
+    accepted_per_prompt: list[list[int]] = []  # drafts kept by each verifying forward
     identical, new_tokens, plain_decodes = True, 0, 0
     # Prompts of like length share a batch: a batch pads every row to its longest prompt.
     ordered = sorted(prompts, key=len)
@@ -293,12 +291,14 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
                 same, plain = is_greedy(target, prompt, spec.tokens, max_new_tokens, eos)
                 identical &= same
                 plain_decodes += plain
-                rounds += spec.accepted
                 accepted_per_prompt.append(spec.accepted)
-                per_prompt.append((sum(spec.accepted) + len(spec.accepted), len(spec.accepted)))
                 new_tokens += len(spec.tokens)
     finally:
         capture.close()
+    rounds = [kept for accepted in accepted_per_prompt for kept in accepted]
+    # (tokens from verifying forwards, forwards) of each prompt
+    per_prompt = [(sum(accepted) + len(accepted), len(accepted))
+                  for accepted in accepted_per_prompt]
     forwards = len(rounds)
     return {"acceptance_length": (sum(rounds) + forwards) / max(1, forwards),
             "acceptance_length_ci95": list(confidence_interval(per_prompt)),

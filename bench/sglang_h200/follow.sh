@@ -18,7 +18,6 @@ report() {
       -c "$work/$arm/sglang.toml" status 2>&1
     # 4 is a pipeline waiting for an operator (retry or exclude).
     echo "exit $?"
-    [ -e "$work/$arm/train/metrics.jsonl" ] && cp "$work/$arm/train/metrics.jsonl" "$dest/$arm-metrics.jsonl"
   done
   echo "== run.log"; grep -v "POST /generate" "$work/run.log" 2>/dev/null | tail -n 30
   echo "== target.log"; grep -v "POST /generate" "$work/out/target.log" 2>/dev/null | tail -n 30
@@ -27,6 +26,9 @@ report() {
 }
 while :; do
   report > "$dest/follow.txt.tmp" 2>&1; mv "$dest/follow.txt.tmp" "$dest/follow.txt"
+  for arm in pipeline target; do
+    [ -e "$work/$arm/train/metrics.jsonl" ] && cp "$work/$arm/train/metrics.jsonl" "$dest/$arm-metrics.jsonl"
+  done
   cp "$work"/out/pipeline.json "$work"/out/target.json "$dest"/ 2>/dev/null
   [ -e "$work/out/pipeline.json" ] && [ -e "$work/out/target.json" ] && break
   [ $SECONDS -ge $end ] && break
