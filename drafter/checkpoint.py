@@ -45,17 +45,22 @@ def _complete(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def latest(folder: Path, fingerprint: str) -> dict[str, Any] | None:
-    """The newest checkpoint made from this manifest, or None. A checkpoint of another manifest
-    is not resumed: training starts over, and says so."""
+def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any]) -> dict[str, Any] | None:
+    """The newest checkpoint made from this manifest for a drafter of this shape, or None. A
+    checkpoint of another manifest or shape (the [train] keys that size the drafter changed) is
+    not resumed: training starts over, and says so."""
     folder = Path(folder)
     if not folder.is_dir():
         return None
     for path in reversed(_complete(folder)):
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        if state.get("manifest_fingerprint") == fingerprint:
-            return state
-        log.warning("checkpoint %s was made from another dataset manifest (%s, now %s); "
-                    "starting over", path, state.get("manifest_fingerprint"), fingerprint)
-        return None
+        if state.get("manifest_fingerprint") != fingerprint:
+            log.warning("checkpoint %s was made from another dataset manifest (%s, now %s); "
+                        "starting over", path, state.get("manifest_fingerprint"), fingerprint)
+            return None
+        if state.get("draft_config") != draft_config:
+            log.warning("checkpoint %s holds a drafter of another shape (%s, now %s); starting "
+                        "over", path, state.get("draft_config"), draft_config)
+            return None
+        return state
     return None

@@ -198,6 +198,43 @@ def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab:
     return results
 
 
+@torch.inference_mode()
+def teacher_forced(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab: DraftVocab,
+                   prompt: list[int], answer: list[int], steps: int) -> torch.Tensor:
+    """The drafts training's unroll makes over the whole answer, with the target's features of
+    the real text at every position: [steps, len(answer)] bool, entry [k, j] whether the k-th
+    draft of a chain started after answer token j is answer token j+1+k (False past the end).
+
+    Speculative decoding makes the same drafts where a chain starts (each chain begins from real
+    features; a draft it keeps is the real token), so a forward keeps exactly the leading hits
+    of column j at its start. This measures the drafter on every position of held-out text, as
+    training measures it on its own, where the acceptance length sees only chain starts."""
+    dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
+    ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
+    target.model(input_ids=ids)  # the capture's hooks take the features
+    outs = drafter.unroll(ids.to(dev), capture.take().to(dev, dtype), steps)
+    start, n = len(prompt) - 1, len(answer)  # the index that reads answer token 0
+    hits = torch.zeros(steps, n, dtype=torch.bool)
+    for k, out in enumerate(outs):
+        reach = n - 1 - k  # chains whose k-th draft still lies within the answer
+        if reach > 0:
+            drafts = vocab.target_ids.to(dev)[drafter.logits(out[0, start:start + reach])
+                                              .argmax(-1)]
+            hits[k, :reach] = (drafts == ids[0, start + 2 + k:start + 2 + k + reach]
+                               .to(dev)).cpu()
+    return hits
+
+
+def chain_starts(accepted: list[int]) -> list[int]:
+    """The answer token after which each verifying forward's chain was drafted: the prefill
+    gives token 0, a forward that keeps `kept` drafts adds kept + 1 tokens."""
+    starts, at = [], 0
+    for kept in accepted:
+        starts.append(at)
+        at += kept + 1
+    return starts
+
+
 class Prompts(NamedTuple):
     ids: list[list[int]]       # the prompts used, token ids with the generation prompt
     asked: int                 # conversations read from the source
@@ -263,12 +300,10 @@ def by_depth(accepted_per_prompt: list[list[int]],
     tokens: dict[int, int] = {}
     forwards: dict[int, int] = {}
     for accepted in accepted_per_prompt:
-        at = 1
-        for kept in accepted:
-            bucket = at // block
+        for start, kept in zip(chain_starts(accepted), accepted):
+            bucket = (start + 1) // block  # the forward's first new token, at depth start + 1
             tokens[bucket] = tokens.get(bucket, 0) + kept + 1
             forwards[bucket] = forwards.get(bucket, 0) + 1
-            at += kept + 1
     return [{"from": b * block, "acceptance_length": tokens[b] / forwards[b],
              "forwards": forwards[b]} for b in sorted(forwards)]
 
@@ -280,6 +315,8 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
     capture = AuxCapture(target, layer_ids)
     accepted_per_prompt: list[list[int]] = []  # drafts kept by each verifying forward
     identical, new_tokens, plain_decodes = True, 0, 0
+    hits, drafted = torch.zeros(steps), torch.zeros(steps)  # teacher-forced, per chain step
+    chains, chains_as_forced = 0, 0
     # Prompts of like length share a batch: a batch pads every row to its longest prompt.
     ordered = sorted(prompts, key=len)
     try:
@@ -293,6 +330,15 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
                 plain_decodes += plain
                 accepted_per_prompt.append(spec.accepted)
                 new_tokens += len(spec.tokens)
+                forced = teacher_forced(target, capture, drafter, vocab, prompt, spec.tokens,
+                                        steps)
+                n = len(spec.tokens)
+                hits += forced.sum(1)
+                drafted += (n - 1 - torch.arange(steps)).clamp(min=0)
+                for start, kept in zip(chain_starts(spec.accepted), spec.accepted):
+                    if start + steps <= n - 1:  # the whole chain's tokens lie in the answer
+                        chains += 1
+                        chains_as_forced += kept == int(forced[:, start].long().cumprod(0).sum())
     finally:
         capture.close()
     rounds = [kept for accepted in accepted_per_prompt for kept in accepted]
@@ -305,6 +351,9 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
             "per_position_acceptance": [sum(a > j for a in rounds) / max(1, forwards)
                                         for j in range(steps)],
             "acceptance_length_by_depth": by_depth(accepted_per_prompt),
+            # Every answer position, as training counts: rounds see only chain starts.
+            "teacher_forced_accuracy": (hits / drafted.clamp(min=1)).tolist(),
+            "chains_as_teacher_forced": chains_as_forced / max(1, chains),
             "prompts": len(prompts), "new_tokens": new_tokens, "target_forwards": forwards,
             "identical_to_greedy": identical, "plain_decodes": plain_decodes,
             "batch_size": batch_size, "seconds": time.monotonic() - started}
@@ -379,6 +428,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
               f"forwards, {report['seconds']:.0f} s)\n"
               f"per-position acceptance: "
               + " ".join(f"{a:.2f}" for a in report["per_position_acceptance"])
+              + "\nteacher-forced accuracy per draft step, every answer position: "
+              + " ".join(f"{a:.2f}" for a in report["teacher_forced_accuracy"])
+              + f" (chains kept as teacher-forced drafts predict: "
+              f"{report['chains_as_teacher_forced']:.1%})"
               + "\nby depth in the answer (new tokens from: acceptance length): "
               + " ".join(f"{d['from']}: {d['acceptance_length']:.2f}"
                          for d in report["acceptance_length_by_depth"])

@@ -48,15 +48,18 @@ class DraftConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_target(cls, target: Any, draft_vocab_size: int) -> "DraftConfig":
-        """The drafter's shape follows the target's (an HF config), as in EAGLE-3."""
+    def from_target(cls, target: Any, draft_vocab_size: int,
+                    intermediate_size: int = 0) -> "DraftConfig":
+        """The drafter's shape follows the target's (an HF config), as in EAGLE-3; its MLP is
+        `intermediate_size` wide where that is set."""
         rope = getattr(target, "rope_parameters", None)
         if not rope:  # transformers 4.x keeps them apart
             rope = dict(getattr(target, "rope_scaling", None) or {"rope_type": "default"})
             rope["rope_theta"] = getattr(target, "rope_theta", 10000.0)
         heads = target.num_attention_heads
         return cls(hidden_size=target.hidden_size, target_hidden_size=target.hidden_size,
-                   intermediate_size=target.intermediate_size, num_attention_heads=heads,
+                   intermediate_size=intermediate_size or target.intermediate_size,
+                   num_attention_heads=heads,
                    num_key_value_heads=getattr(target, "num_key_value_heads", heads),
                    head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
                    rms_norm_eps=target.rms_norm_eps,

@@ -307,8 +307,8 @@ def setup(cfg: Config, rt: Runtime) -> Run:
     embed, head = load_embedding_and_head(cfg.target.model_path)
     torch.manual_seed(cfg.train.seed)
     run.model, run.teacher_head = build_drafter(
-        DraftConfig.from_target(target_cfg, run.draft_vocab.size), embed,
-        head[run.draft_vocab.target_ids], rt.device)
+        DraftConfig.from_target(target_cfg, run.draft_vocab.size, cfg.train.intermediate_size),
+        embed, head[run.draft_vocab.target_ids], rt.device)
     del embed, head
     run.ddp = data_parallel(run.model, rt.device) if rt.world > 1 else run.model
     run.optimizer = make_optimizer(run.model, cfg.train.lr, cfg.train.weight_decay)
@@ -326,7 +326,8 @@ def setup(cfg: Config, rt: Runtime) -> Run:
 def resume(run: Run) -> None:
     """Continue from the last checkpoint of this manifest, if there is one."""
     rt = run.rt
-    state = checkpoint.latest(layout.checkpoint_dir(run.dir), run.fingerprint) if rt.main else None
+    state = (checkpoint.latest(layout.checkpoint_dir(run.dir), run.fingerprint,
+                               run.model.cfg.to_dict()) if rt.main else None)
     state = broadcast(rt, state)
     if state is not None:
         run.model.load_state_dict(state["model"])

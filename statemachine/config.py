@@ -144,6 +144,7 @@ class TrainConfig(NamedTuple):
     rendezvous: str = ""  # node 0's HOST:PORT, where torchrun's nodes meet; nnodes > 1 only
     device: str = "auto"
     draft_vocab: int = 32000
+    intermediate_size: int = 0  # the drafter's MLP width; 0: the target's
     ttt_steps: int = 7
     epochs: float = 1.0
     max_steps: int = 0  # 0: as many as the epochs need
@@ -445,7 +446,7 @@ def parse_config(raw: dict, path: Path) -> Config:
         "nnodes": _typed(int, minimum=1, maximum=1024), "node_rank": _NONNEG_INT,
         "rendezvous": _rendezvous,
         "device": _typed(str, choices=("auto", "cpu", "cuda")), "draft_vocab": _POS_INT,
-        "ttt_steps": _typed(int, minimum=1, maximum=32), "epochs": _POS_FLOAT,
+        "intermediate_size": _NONNEG_INT, "ttt_steps": _typed(int, minimum=1, maximum=32), "epochs": _POS_FLOAT,
         "max_steps": _NONNEG_INT, "batch_tokens": _POS_INT, "lr": _POS_FLOAT,
         "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
         "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from drafter_fixtures import MODEL, cached_dataset, write_config
-from eagle3d.drafter.evaluate import AuxCapture, by_depth, greedy, is_greedy, speculative
+from eagle3d.drafter.evaluate import (AuxCapture, by_depth, evaluate, greedy, is_greedy,
+                                      speculative)
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import from_counts
 from eagle3d.statemachine.config import resolve_location
@@ -95,6 +96,25 @@ def test_prompts_decoded_together_each_decode_as_alone_and_as_plain_greedy():
     accepted = [n for t in together for n in t.accepted]
     assert len({len(p) for p in prompts}) == 3 and 0 in accepted and 3 in accepted
     assert len({len(t.accepted) for t in together}) > 1
+
+
+def test_every_chain_keeps_the_drafts_training_would_make_at_its_start():
+    """Training's unroll over the held-out answer (real features everywhere) and the decoder's
+    chains are the same drafts: each forward keeps exactly the leading hits of the unroll at its
+    chain's start. Were the two to see different inputs (a shifted position, a stale cache), the
+    decoder would accept what training never measured."""
+    path = resolve_location(MODEL, Path("."))
+    target = loading.load_model(path, "float32", "cpu")
+    tokenizer = loading.load_tokenizer(path)
+    eos = loading.stop_tokens(tokenizer, target.generation_config)
+    texts = ["ha ha ha ha ha ha ha ha", "The capital of France is", "A B C D E F G"]
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    drafter, vocab = _echo_drafter(target)
+    report = evaluate(target, drafter, vocab, [2, 15, 29], prompts, 3, 40, eos, batch_size=3)
+    assert report["identical_to_greedy"] is True
+    assert report["chains_as_teacher_forced"] == 1.0
+    forced = report["teacher_forced_accuracy"]
+    assert len(forced) == 3 and 0 < forced[0] < 1
 
 
 def test_acceptance_by_depth_counts_each_forward_where_it_starts_in_the_answer():

@@ -107,6 +107,25 @@ def test_kill_9_and_resume_follows_the_uninterrupted_trajectory(tmp_path, data_r
 
 
 @pytest.mark.slow
+def test_a_wider_drafter_starts_over_and_exports_its_width(tmp_path, data_root):
+    """[train] intermediate_size changes the drafter's shape: the narrower run's checkpoint is
+    not resumed into it (it could not load), and the export tells SGLang the width."""
+    narrow = write_config(tmp_path, data_root, {**SMALL, "max_steps": 2, "checkpoint_every": 2})
+    run = subprocess.run(train_cmd(narrow), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    exported = json.loads((tmp_path / "train" / "export" / "config.json").read_text())
+    assert exported["intermediate_size"] == 1536  # SmolLM2-135M's own
+    wide = write_config(tmp_path, data_root, {**SMALL, "max_steps": 2, "checkpoint_every": 2,
+                                              "intermediate_size": 2048})
+    run = subprocess.run(train_cmd(wide), capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "holds a drafter of another shape" in run.stderr
+    assert [r["step"] for r in metrics(tmp_path / "train")] == [1, 2]
+    exported = json.loads((tmp_path / "train" / "export" / "config.json").read_text())
+    assert exported["intermediate_size"] == 2048
+
+
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_0(tmp_path, data_root):
     config = write_config(tmp_path, data_root, {**SMALL, "max_steps": 50,
                                                 "checkpoint_every": 1000})
