@@ -83,3 +83,22 @@ def test_train_bench_compares_fp8_with_bf16_storage_and_prints_the_ratio_last():
     assert [row[1] for row in rows] == ["bf16", "fp8"], lines
     assert not any("SpecForge skipped" in line for line in lines)
 
+
+
+def test_curves_draws_runs_side_by_side_and_prints_each_runs_figures(tmp_path):
+    def metrics(name: str, accs: list[float]) -> Path:
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(f'{{"step": {i + 1}, "acc": [{a}, 0.1]}}\n'
+                                for i, a in enumerate(accs)))
+        return path
+    short = metrics("short", [0.1] * 60 + [0.4] * 50)
+    long = metrics("long", [0.2] * 200)
+    held_out = tmp_path / "eval.json"
+    held_out.write_text('{"teacher_forced_accuracy": [0.35, 0.2], "acceptance_length": 1.7}')
+    png = tmp_path / "curves.png"
+    lines = run_bench("curves.py", str(png), "two runs", f"short={short},{held_out}",
+                      f"long={long}")
+    assert lines == ["short: 110 steps, first-draft training accuracy over the last 50 steps "
+                     "0.400, held out 0.350 (teacher-forced); acceptance length 1.700",
+                     "long: 200 steps, first-draft training accuracy over the last 50 steps 0.200"]
+    assert png.stat().st_size > 10_000

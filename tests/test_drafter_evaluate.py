@@ -7,6 +7,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -76,14 +77,29 @@ def _echo_drafter(target) -> tuple[Eagle3Drafter, object]:
     return drafter, from_counts(torch.ones(cfg.vocab_size), cfg.vocab_size)
 
 
-def test_prompts_decoded_together_each_decode_as_alone_and_as_plain_greedy():
+class Echo(NamedTuple):
+    target: Any
+    eos: set[int]
+    prompts: list[list[int]]
+    drafter: Eagle3Drafter
+    vocab: Any
+
+
+@pytest.fixture(scope="module")
+def echo() -> Echo:
+    """The real target, the echo drafter, and three prompts of unlike lengths: one repeats a
+    token throughout, one the drafter rarely guesses, one in between."""
     path = resolve_location(MODEL, Path("."))
     target = loading.load_model(path, "float32", "cpu")
     tokenizer = loading.load_tokenizer(path)
-    eos = loading.stop_tokens(tokenizer, target.generation_config)
     texts = ["ha ha ha ha ha ha ha ha", "The capital of France is", "A B C D E F G"]
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    drafter, vocab = _echo_drafter(target)
+    return Echo(target, loading.stop_tokens(tokenizer, target.generation_config),
+                [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts],
+                *_echo_drafter(target))
+
+
+def test_prompts_decoded_together_each_decode_as_alone_and_as_plain_greedy(echo):
+    target, eos, prompts, drafter, vocab = echo
     capture = AuxCapture(target, [2, 15, 29])
     together = speculative(target, capture, drafter, vocab, prompts, 3, 40, eos)
     alone = [speculative(target, capture, drafter, vocab, [p], 3, 40, eos)[0] for p in prompts]
@@ -98,18 +114,12 @@ def test_prompts_decoded_together_each_decode_as_alone_and_as_plain_greedy():
     assert len({len(t.accepted) for t in together}) > 1
 
 
-def test_every_chain_keeps_the_drafts_training_would_make_at_its_start():
+def test_every_chain_keeps_the_drafts_training_would_make_at_its_start(echo):
     """Training's unroll over the held-out answer (real features everywhere) and the decoder's
     chains are the same drafts: each forward keeps exactly the leading hits of the unroll at its
     chain's start. Were the two to see different inputs (a shifted position, a stale cache), the
     decoder would accept what training never measured."""
-    path = resolve_location(MODEL, Path("."))
-    target = loading.load_model(path, "float32", "cpu")
-    tokenizer = loading.load_tokenizer(path)
-    eos = loading.stop_tokens(tokenizer, target.generation_config)
-    texts = ["ha ha ha ha ha ha ha ha", "The capital of France is", "A B C D E F G"]
-    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    drafter, vocab = _echo_drafter(target)
+    target, eos, prompts, drafter, vocab = echo
     report = evaluate(target, drafter, vocab, [2, 15, 29], prompts, 3, 40, eos, batch_size=3)
     assert report["identical_to_greedy"] is True
     assert report["chains_as_teacher_forced"] == 1.0

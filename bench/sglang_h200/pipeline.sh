@@ -11,6 +11,8 @@
 # planned; eval takes 48 from there, EVAL_TOKENS (default 64) new tokens each. GEN_BATCH
 # (default 512) conversations are in flight at once ([generate] batch_size). EPOCHS (default 3) of training,
 # stopped at MAX_STEPS optimiser steps where set (the same budget for runs of unequal sizes).
+# INTERMEDIATE_SIZE (default 0: the target's) is the drafter's MLP width ([train] intermediate_size);
+# the best recipe measured (docs/sglang.md, "fifth run"): EPOCHS=20 MAX_STEPS=7200 INTERMEDIATE_SIZE=6144.
 # DUMP_DTYPE (default bfloat16) is [extract] dump_dtype. Two runs side by side on one GPU need
 # their own PORT (default 30555); the spool is named after OUTDIR, and each SGLang server takes
 # mem_fraction of the GPU memory free when it starts (SGLang sizes its cache that way).
@@ -58,6 +60,7 @@ draft_vocab = 8192
 ttt_steps = 3
 epochs = ${EPOCHS:-3}
 max_steps = ${MAX_STEPS:-0}
+intermediate_size = ${INTERMEDIATE_SIZE:-0}
 batch_tokens = 8192
 lr = 1e-3
 warmup_steps = 10
