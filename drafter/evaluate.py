@@ -102,16 +102,31 @@ def greedy(target: Any, prompt: list[int], max_new: int, eos: set[int]) -> list[
     return tokens
 
 
+class Answered(NamedTuple):
+    """One forward of the target over a prompt and its answer."""
+    choices: list[int]  # the target's greedy pick for each answer token, given all before it
+    aux: torch.Tensor   # [1, T, 3H]: the captured features of every position
+
+
 @torch.inference_mode()
-def is_greedy(target: Any, prompt: list[int], tokens: list[int], max_new: int,
-              eos: set[int]) -> tuple[bool, bool]:
+def read_answer(target: Any, capture: AuxCapture, prompt: list[int],
+                answer: list[int]) -> Answered:
+    """What both checks of a decoded answer read, from one forward: the greedy check's choices
+    and teacher_forced's features."""
+    ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
+    hidden = target.model(input_ids=ids).last_hidden_state
+    # The head over the answer only: over the prompt too it would cost a tenth of the forward.
+    choices = target.lm_head(hidden[0, len(prompt) - 1:-1]).argmax(-1).tolist()
+    return Answered(choices, capture.take())
+
+
+def is_greedy(target: Any, prompt: list[int], tokens: list[int], max_new: int, eos: set[int],
+              choices: list[int]) -> tuple[bool, bool]:
     """Whether `tokens` are the target's greedy continuation of `prompt`, and whether deciding
     it took a plain decode. One forward over the whole sequence gives the target's choice at
-    every position at once; only where it disagrees (a real divergence, or a near-tie that the
-    two ways of computing round differently) is the prompt decoded one token per forward, and
-    that decides."""
-    ids = torch.tensor([list(prompt) + tokens[:-1]], device=target.device)
-    choices = target(input_ids=ids).logits[0, len(prompt) - 1:].argmax(-1).tolist()
+    every position at once (`choices`, read_answer's); only where it disagrees (a real
+    divergence, or a near-tie that the two ways of computing round differently) is the prompt
+    decoded one token per forward, and that decides."""
     if choices == tokens:
         return True, False
     return greedy(target, prompt, max_new, eos) == tokens, True
@@ -199,20 +214,20 @@ def speculative(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab:
 
 
 @torch.inference_mode()
-def teacher_forced(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, vocab: DraftVocab,
-                   prompt: list[int], answer: list[int], steps: int) -> torch.Tensor:
+def teacher_forced(drafter: Eagle3Drafter, vocab: DraftVocab, prompt: list[int],
+                   answer: list[int], aux: torch.Tensor, steps: int) -> torch.Tensor:
     """The drafts training's unroll makes over the whole answer, with the target's features of
-    the real text at every position: [steps, len(answer)] bool, entry [k, j] whether the k-th
-    draft of a chain started after answer token j is answer token j+1+k (False past the end).
+    the real text at every position (`aux`, read_answer's): [steps, len(answer)] bool, entry
+    [k, j] whether the k-th draft of a chain started after answer token j is answer token j+1+k
+    (False past the end).
 
     Speculative decoding makes the same drafts where a chain starts (each chain begins from real
     features; a draft it keeps is the real token), so a forward keeps exactly the leading hits
     of column j at its start. This measures the drafter on every position of held-out text, as
     training measures it on its own, where the acceptance length sees only chain starts."""
     dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
-    ids = torch.tensor([list(prompt) + list(answer)], device=target.device)
-    target.model(input_ids=ids)  # the capture's hooks take the features
-    outs = drafter.unroll(ids.to(dev), capture.take().to(dev, dtype), steps)
+    ids = torch.tensor([list(prompt) + list(answer)], device=dev)
+    outs = drafter.unroll(ids, aux.to(dev, dtype), steps)
     start, n = len(prompt) - 1, len(answer)  # the index that reads answer token 0
     hits = torch.zeros(steps, n, dtype=torch.bool)
     for k, out in enumerate(outs):
@@ -220,8 +235,7 @@ def teacher_forced(target: Any, capture: AuxCapture, drafter: Eagle3Drafter, voc
         if reach > 0:
             drafts = vocab.target_ids.to(dev)[drafter.logits(out[0, start:start + reach])
                                               .argmax(-1)]
-            hits[k, :reach] = (drafts == ids[0, start + 2 + k:start + 2 + k + reach]
-                               .to(dev)).cpu()
+            hits[k, :reach] = (drafts == ids[0, start + 2 + k:start + 2 + k + reach]).cpu()
     return hits
 
 
@@ -325,12 +339,14 @@ def evaluate(target: Any, drafter: Eagle3Drafter, vocab: DraftVocab, layer_ids: 
             decoded = speculative(target, capture, drafter, vocab, batch, steps, max_new_tokens,
                                   eos)
             for prompt, spec in zip(batch, decoded):
-                same, plain = is_greedy(target, prompt, spec.tokens, max_new_tokens, eos)
+                answered = read_answer(target, capture, prompt, spec.tokens)
+                same, plain = is_greedy(target, prompt, spec.tokens, max_new_tokens, eos,
+                                        answered.choices)
                 identical &= same
                 plain_decodes += plain
                 accepted_per_prompt.append(spec.accepted)
                 new_tokens += len(spec.tokens)
-                forced = teacher_forced(target, capture, drafter, vocab, prompt, spec.tokens,
+                forced = teacher_forced(drafter, vocab, prompt, spec.tokens, answered.aux,
                                         steps)
                 n = len(spec.tokens)
                 hits += forced.sum(1)

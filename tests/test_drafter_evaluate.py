@@ -14,7 +14,7 @@ import torch
 
 from drafter_fixtures import MODEL, cached_dataset, write_config
 from eagle3d.drafter.evaluate import (AuxCapture, by_depth, evaluate, greedy, is_greedy,
-                                      speculative)
+                                      read_answer, speculative)
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import from_counts
 from eagle3d.statemachine.config import resolve_location
@@ -52,10 +52,15 @@ def test_the_greedy_check_catches_one_changed_token_and_passes_the_real_decode()
                                            add_generation_prompt=True, tokenize=False)
     prompt = tokenizer(prompt, add_special_tokens=False)["input_ids"]
     eos = loading.stop_tokens(tokenizer, target.generation_config)
+    capture = AuxCapture(target, [2, 15, 29])
+
+    def check(tokens: list[int]) -> tuple[bool, bool]:
+        return is_greedy(target, prompt, tokens, 24, eos,
+                         read_answer(target, capture, prompt, tokens).choices)
     tokens = greedy(target, prompt, 24, eos)
-    assert is_greedy(target, prompt, tokens, 24, eos) == (True, False)  # one forward decided
+    assert check(tokens) == (True, False)  # one forward decided
     changed = tokens[:10] + [(tokens[10] + 1) % 49152] + tokens[11:]
-    assert is_greedy(target, prompt, changed, 24, eos) == (False, True)  # a plain decode decided
+    assert check(changed) == (False, True)  # a plain decode decided
 
 
 def _echo_drafter(target) -> tuple[Eagle3Drafter, object]:
