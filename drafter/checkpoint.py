@@ -50,17 +50,17 @@ def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any]) -> dict
     checkpoint of another manifest or shape (the [train] keys that size the drafter changed) is
     not resumed: training starts over, and says so."""
     folder = Path(folder)
-    if not folder.is_dir():
+    complete = _complete(folder) if folder.is_dir() else []
+    if not complete:
         return None
-    for path in reversed(_complete(folder)):
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-        if state.get("manifest_fingerprint") != fingerprint:
-            log.warning("checkpoint %s was made from another dataset manifest (%s, now %s); "
-                        "starting over", path, state.get("manifest_fingerprint"), fingerprint)
-            return None
-        if state.get("draft_config") != draft_config:
-            log.warning("checkpoint %s holds a drafter of another shape (%s, now %s); starting "
-                        "over", path, state.get("draft_config"), draft_config)
-            return None
-        return state
-    return None
+    path = complete[-1]
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    if state.get("manifest_fingerprint") != fingerprint:
+        log.warning("checkpoint %s was made from another dataset manifest (%s, now %s); "
+                    "starting over", path, state.get("manifest_fingerprint"), fingerprint)
+        return None
+    if state.get("draft_config") != draft_config:
+        log.warning("checkpoint %s holds a drafter of another shape (%s, now %s); starting "
+                    "over", path, state.get("draft_config"), draft_config)
+        return None
+    return state

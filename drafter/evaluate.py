@@ -228,13 +228,13 @@ def teacher_forced(drafter: Eagle3Drafter, vocab: DraftVocab, prompt: list[int],
     dev, dtype = drafter.fc.weight.device, drafter.fc.weight.dtype
     ids = torch.tensor([list(prompt) + list(answer)], device=dev)
     outs = drafter.unroll(ids, aux.to(dev, dtype), steps)
+    draft_to_target = vocab.target_ids.to(dev)
     start, n = len(prompt) - 1, len(answer)  # the index that reads answer token 0
     hits = torch.zeros(steps, n, dtype=torch.bool)
     for k, out in enumerate(outs):
         reach = n - 1 - k  # chains whose k-th draft still lies within the answer
         if reach > 0:
-            drafts = vocab.target_ids.to(dev)[drafter.logits(out[0, start:start + reach])
-                                              .argmax(-1)]
+            drafts = draft_to_target[drafter.logits(out[0, start:start + reach]).argmax(-1)]
             hits[k, :reach] = (drafts == ids[0, start + 2 + k:start + 2 + k + reach]).cpu()
     return hits
 

@@ -84,7 +84,6 @@ def test_train_bench_compares_fp8_with_bf16_storage_and_prints_the_ratio_last():
     assert not any("SpecForge skipped" in line for line in lines)
 
 
-
 def test_curves_draws_runs_side_by_side_and_prints_each_runs_figures(tmp_path):
     def metrics(name: str, accs: list[float]) -> Path:
         path = tmp_path / f"{name}.jsonl"
