@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from eagle3d.drafter.fusion import fused_on_cuda
 from eagle3d.drafter.loss import Teacher, soft_cross_entropy
@@ -148,8 +148,21 @@ def _ttt_mask(T: int):
 
 
 @functools.lru_cache(maxsize=256)
-def _ttt_block_mask(T: int, segments: int, device: torch.device) -> BlockMask:
-    return create_block_mask(_ttt_mask(T), None, None, T, segments * T, device=device)
+def ttt_block_mask(T: int, segments: int, device: torch.device) -> BlockMask:
+    """_ttt_mask's blocks, listed from the pattern (T a multiple of FLEX_TILE): query tile i
+    sees context tiles 0..i-1 whole, and tile i of every segment in part (the causal diagonal,
+    then each draft's diagonal). create_block_mask would find the same blocks by evaluating the
+    mask at every (query, key): a [T, segments*T] tensor, 40 GiB of transients at T = 32768."""
+    tiles, kv_tiles = T // FLEX_TILE, segments * T // FLEX_TILE
+    i = torch.arange(tiles, device=device, dtype=torch.int32)
+    partial = i[:, None] + tiles * torch.arange(segments, device=device, dtype=torch.int32)
+    # Each row as wide as the key tiles (what the kernel's transpose expects), its blocks first.
+    partial = F.pad(partial, (0, kv_tiles - segments))
+    full = torch.arange(kv_tiles, device=device, dtype=torch.int32).expand(tiles, -1)
+    return BlockMask.from_kv_blocks(
+        torch.full((1, 1, tiles), segments, dtype=torch.int32, device=device),
+        partial[None, None], i[None, None], full[None, None].contiguous(),
+        FLEX_TILE, _ttt_mask(T), (T, segments * T))
 
 
 _flex = fused_on_cuda(flex_attention)  # eager on CPU: the forward only (tests)
@@ -172,7 +185,7 @@ def flex_ttt_attention(q: Tensor, segments: list[KV], scale: float) -> Tensor:
     keys = torch.cat([pad(k) for k, _ in segments], dim=2)
     values = torch.cat([pad(v) for _, v in segments], dim=2)
     out = _flex(pad(q), keys, values, scale=scale, enable_gqa=True,
-                block_mask=_ttt_block_mask(padded, len(segments), q.device))
+                block_mask=ttt_block_mask(padded, len(segments), q.device))
     return out[:, :, :T]
 
 

@@ -41,9 +41,10 @@ def make_config(root: Path, sections: dict[str, dict[str, Any]] | None = None,
                 name: str = "eagle3d.toml") -> Path:
     """A complete config under `root`, with each section updated from `sections`."""
     spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:10]}"
-    # Computed in float32 and dumped in bfloat16, as the demo does: a CPU without bfloat16 units
-    # runs SmolLM2's bfloat16 forward at a third of float32's speed, and every real-model test
-    # pays for its forwards. The engine's bfloat16 compute has its tests in test_worker.py.
+    # Computed in float32 and dumped in bfloat16: a CPU without bfloat16 units runs SmolLM2's
+    # bfloat16 forward at a third of float32's speed, and every real-model test pays for its
+    # forwards on whatever CPU runs them. The engine's bfloat16 compute has its tests in
+    # test_worker.py.
     base: dict[str, dict[str, Any]] = {
         "target": {"model": SMOLLM, "engine": "transformers", "dtype": "float32"},
         "data": {"source": SHAREGPT, "format": "sharegpt", "first": 0, "limit": 20,

@@ -1,13 +1,17 @@
 """The drafter's shapes, its training-time test against chain drafting, and the draft vocab."""
 
+import subprocess
+import sys
+
 import torch
 
 import pytest
+from torch.nn.attention.flex_attention import create_block_mask
 
 from eagle3d.drafter import loss as loss_mod
 from eagle3d.drafter.loss import soft_cross_entropy, teacher
-from eagle3d.drafter.model import (DraftConfig, Eagle3Drafter, dense_attention,
-                                   flex_ttt_attention)
+from eagle3d.drafter.model import (FLEX_TILE, DraftConfig, Eagle3Drafter, _ttt_mask,
+                                   dense_attention, flex_ttt_attention, ttt_block_mask)
 from eagle3d.drafter.vocab import from_counts
 
 TINY = DraftConfig(hidden_size=32, target_hidden_size=24, intermediate_size=64,
@@ -97,6 +101,38 @@ def test_fused_attention_equals_the_dense_one(segments):
     with torch.no_grad():  # flex has no CPU backward; on CPU this runs its eager reference
         torch.testing.assert_close(flex_ttt_attention(q, kv, D ** -0.5),
                                    dense_attention(q, kv, D ** -0.5), atol=1e-5, rtol=1e-4)
+
+
+def _blocks(num: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
+    return [sorted(indices[0, 0, row, :num[0, 0, row]].tolist()) for row in range(num.shape[-1])]
+
+
+@pytest.mark.parametrize("tiles,segments", [(1, 1), (1, 2), (3, 1), (4, 3), (6, 8)])
+def test_the_listed_attention_blocks_are_those_the_mask_gives(tiles, segments):
+    """The kernel skips every block its BlockMask leaves out and computes full blocks without
+    the mask: one wrong entry silently drops or leaks attention, so both lists, seen from the
+    queries and from the keys, must be flex's own reading of the mask."""
+    T = tiles * FLEX_TILE
+    want = create_block_mask(_ttt_mask(T), None, None, T, segments * T, device="cpu")
+    got = ttt_block_mask(T, segments, torch.device("cpu"))
+    assert got.seq_lengths == want.seq_lengths
+    for side in ("kv", "full_kv", "q", "full_q"):
+        listed = [_blocks(getattr(m, f"{side}_num_blocks"), getattr(m, f"{side}_indices"))
+                  for m in (got, want)]
+        assert listed[0] == listed[1], side
+
+
+def test_the_attention_blocks_of_a_long_sequence_cost_no_quadratic_memory():
+    """Training at T = 32768 must not spend tens of GiB listing blocks: at T = 8192 with the 8
+    segments of TTT 7, evaluating the mask everywhere held 5 GiB."""
+    grown = subprocess.run([sys.executable, "-c", """
+import resource, torch
+from eagle3d.drafter.model import ttt_block_mask
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+ttt_block_mask(8192, 8, torch.device("cpu"))
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+"""], capture_output=True, text=True, check=True).stdout
+    assert int(grown) < 64 * 1024  # KiB
 
 
 def test_soft_cross_entropy_and_its_gradient_equal_the_plain_formula(monkeypatch):

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 from safetensors.torch import load_file
 
-from eagle3d.capture.generator import TransformersDecoder, Writer
+from eagle3d.capture.generator import TransformersDecoder, Writer, _decoder
 from eagle3d.capture.planner import plan_batch, plan_prompts
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
@@ -66,6 +67,30 @@ def test_the_generated_conversations_are_what_training_reads(config_factory, tmp
             assert dump["input_ids"].tolist() == tokenizer(rendered, add_special_tokens=False)[
                 "input_ids"]
     assert status(config)["samples"]["verified"] == 6
+
+
+def test_the_target_writes_in_its_configured_dtype(config_factory, tmp_path):
+    """On a CPU too: the answers come from the target that extract then captures (a CPU with
+    bfloat16 units writes about twice as fast in it)."""
+    for dtype in ("bfloat16", "float32"):
+        cfg = load_config(messages_config(config_factory, tmp_path, 1,
+                                          target={"dtype": dtype, "device": "cpu"},
+                                          data={"responses": "target"}))
+        decoder, _ = _decoder(cfg, loading.load_tokenizer(cfg.target.model_path))
+        assert decoder.model.dtype == getattr(torch, dtype)
+
+
+def test_a_bfloat16_target_on_a_cpu_without_bfloat16_units_is_warned_about(
+        config_factory, tmp_path, monkeypatch, caplog):
+    """There it runs three times slower than float32: the operator must hear why and what to
+    set. This CPU has the units, so their absence is what the test stands in for."""
+    cfg = load_config(messages_config(config_factory, tmp_path, 1,
+                                      target={"dtype": "bfloat16", "device": "cpu"}))
+    for units, warned in ((True, False), (False, True)):
+        monkeypatch.setattr(loading, "cpu_computes_bf16", lambda: units)
+        caplog.clear()
+        loading.load_model(cfg.target.model_path, "bfloat16", "cpu")
+        assert ('dtype = "float32"' in caplog.text) == warned
 
 
 def test_kill_9_during_generation_loses_and_duplicates_nothing(config_factory, tmp_path):

@@ -2,9 +2,9 @@
 # Follows a run that outlasts one device command (run.sh under setsid/nohup, output in
 # WORK/run.log): every 20 s it rewrites DEST/follow.txt (each arm's `eagle3ctl status` with its
 # exit code, the logs' tails, disk and GPU use) and copies each arm's training metrics and the
-# summaries so far, until both arms' summaries exist or SECONDS have passed. DEST is the device
-# command's $OUT, so a command cut off by its time limit still brings back the latest; five files
-# at most, because a device command brings back only a few.
+# summaries so far, until every arm started has its summary or SECONDS have passed. DEST is the
+# device command's $OUT, so a command cut off by its time limit still brings back the latest; five
+# files at most, because a device command brings back only a few.
 #   bench/sglang_h200/follow.sh WORK SECONDS DEST
 set -uo pipefail
 here=$(dirname "$(realpath "$0")"); work=$(realpath "$1"); dest=$3
@@ -29,8 +29,12 @@ while :; do
   for arm in pipeline target; do
     [ -e "$work/$arm/train/metrics.jsonl" ] && cp "$work/$arm/train/metrics.jsonl" "$dest/$arm-metrics.jsonl"
   done
-  cp "$work"/out/pipeline.json "$work"/out/target.json "$dest"/ 2>/dev/null
-  [ -e "$work/out/pipeline.json" ] && [ -e "$work/out/target.json" ] && break
+  finished=1
+  for arm in pipeline target; do
+    [ -e "$work/$arm/sglang.toml" ] || continue
+    if [ -e "$work/out/$arm.json" ]; then cp "$work/out/$arm.json" "$dest/"; else finished=0; fi
+  done
+  [ $finished = 1 ] && [ -n "$(ls "$work"/*/sglang.toml 2>/dev/null)" ] && break
   [ $SECONDS -ge $end ] && break
   sleep 20
 done
