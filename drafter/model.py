@@ -151,8 +151,9 @@ def _ttt_mask(T: int):
 def ttt_block_mask(T: int, segments: int, device: torch.device) -> BlockMask:
     """_ttt_mask's blocks, listed from the pattern (T a multiple of FLEX_TILE): query tile i
     sees context tiles 0..i-1 whole, and tile i of every segment in part (the causal diagonal,
-    then each draft's diagonal). create_block_mask would find the same blocks by evaluating the
-    mask at every (query, key): a [T, segments*T] tensor, 40 GiB of transients at T = 32768."""
+    then each draft's diagonal). create_block_mask finds the same blocks by evaluating the mask
+    at every (query, key): [T, segments*T] booleans and their temporaries, 5 GiB at T = 8192
+    with 8 segments, growing with T squared."""
     tiles, kv_tiles = T // FLEX_TILE, segments * T // FLEX_TILE
     i = torch.arange(tiles, device=device, dtype=torch.int32)
     partial = i[:, None] + tiles * torch.arange(segments, device=device, dtype=torch.int32)

@@ -215,7 +215,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     with bf16 units. Returns the weighted total loss and, per TTT step, the mean loss, the
     count of argmaxes equal to the teacher's and of positions."""
     cuda = batch.input_ids.is_cuda
-    # The demo's shape trains 2-2.6x faster so on the 2-core VM's CPU (2026-12-03).
+    # On the 2-core VM's CPU the demo trains 1.6x faster so (2026-12-03, etc/demo.toml).
     with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16,
                         enabled=cuda or cpu_computes_bf16()):
         teacher = loss_mod.teacher(batch.last, batch.targets, teacher_head, ttt_steps)
