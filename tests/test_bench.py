@@ -74,6 +74,12 @@ def test_generate_bench_prints_the_writer_to_plain_ratio_last():
     assert [line.split(":")[0].strip() for line in lines[:2]] == ["writer", "plain"]
 
 
+def test_cpu_precision_bench_times_each_kind_of_work_and_prints_the_lowest_ratio_last():
+    lines = run_bench("cpu_bf16.py", "--quick")
+    assert ratio(lines[-1], "bf16 / float32 throughput, lowest of write, capture, train") > 0
+    assert [line.split(" ")[0] for line in lines[1:4]] == ["write", "capture", "train"]
+
+
 def test_train_bench_compares_fp8_with_bf16_storage_and_prints_the_ratio_last():
     lines = run_bench("gpu_train.py", "--tiny", "--compare-storage", "--seq-lens", "32",
                       "--steps", "2", "--warmup", "1", "--repeats", "2", "--batches", "2")
