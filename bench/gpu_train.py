@@ -646,8 +646,8 @@ def judge_specforge(results: dict[tuple[int, str], Result | str], seq_lens: list
               f"{ours.peak_gib:.2f} vs {theirs.peak_gib:.2f} GiB {'ok' if memory_ok else 'OVER'}"
               f"; loss {ours.loss:.4f} vs {theirs.loss:.4f} {'ok' if loss_ok else 'WORSE'}): "
               f"{'met' if verdicts[-1] else 'not met'}")
-    print(f"goal (>= {SPEEDUP_GOAL}x SpecForge's tokens/s at <= its peak memory, loss no worse) at every "
-          f"length: {'met' if all(verdicts) else 'not met'}")
+    print(f"goal (>= {SPEEDUP_GOAL}x SpecForge's tokens/s at <= its peak memory, loss no worse) "
+          f"at every length: {'met' if all(verdicts) else 'not met'}")
 
 
 

@@ -214,13 +214,13 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: 
     """One optimizer step on one batch, its matmuls in bf16 (autocast) on a GPU and on a CPU
     with bf16 units. Returns the weighted total loss and, per TTT step, the mean loss, the
     count of argmaxes equal to the teacher's and of positions."""
-    cuda = batch.input_ids.is_cuda
     # On the 2-core VM's CPU the demo trains 1.6x faster so (2026-12-03, etc/demo.toml).
-    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16,
-                        enabled=cuda or cpu_computes_bf16()):
+    bf16 = batch.input_ids.is_cuda or cpu_computes_bf16()
+    with torch.autocast(batch.input_ids.device.type, dtype=torch.bfloat16, enabled=bf16):
         teacher = loss_mod.teacher(batch.last, batch.targets, teacher_head, ttt_steps)
+        # Under autocast the stored states go in as they are; float32 weights need float32.
         loss, per_step, correct, counted = model(
-            batch.input_ids, batch.aux if cuda else batch.aux.float(), teacher, ttt_steps)
+            batch.input_ids, batch.aux if bf16 else batch.aux.float(), teacher, ttt_steps)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if grad_clip > 0:

@@ -29,12 +29,13 @@ while :; do
   for arm in pipeline target; do
     [ -e "$work/$arm/train/metrics.jsonl" ] && cp "$work/$arm/train/metrics.jsonl" "$dest/$arm-metrics.jsonl"
   done
-  finished=1
+  started=0 finished=1
   for arm in pipeline target; do
     [ -e "$work/$arm/sglang.toml" ] || continue
+    started=1
     if [ -e "$work/out/$arm.json" ]; then cp "$work/out/$arm.json" "$dest/"; else finished=0; fi
   done
-  [ $finished = 1 ] && [ -n "$(ls "$work"/*/sglang.toml 2>/dev/null)" ] && break
+  [ $started = 1 ] && [ $finished = 1 ] && break
   [ $SECONDS -ge $end ] && break
   sleep 20
 done
