@@ -35,6 +35,11 @@ printed last.
     python bench/gpu_train.py --shape kimi-k2.5     # the Kimi-K2.5-sized draft
     python bench/gpu_train.py --compare-storage     # fp8 against bf16 storage
     python bench/gpu_train.py --tiny                # anywhere
+
+`--profile` times nothing against SpecForge: it runs our trainer once per length under the
+PyTorch profiler and prints where a step's device time goes, by kind of kernel (matmuls,
+attention, fused and plain elementwise work, copies) and the costliest kernels by name: what
+to fix before the ratio can rise.
 """
 
 from __future__ import annotations
@@ -540,6 +545,8 @@ def main(argv: list[str] | None = None) -> int:
                              "as fp8, alternating ABBA")
     parser.add_argument("--specforge-backend", default="flex_attention",
                         choices=("flex_attention", "sdpa"))
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of timing: where a step of ours spends its device time")
     args = parser.parse_args(argv)
     shape = checked_shape(parser, args)
     seq_lens = [int(s) for s in (args.seq_lens or ("32,64" if args.tiny else "2048,4096"))
@@ -564,6 +571,11 @@ def main(argv: list[str] | None = None) -> int:
         trainers["specforge"] = functools.partial(SpecForgeTrainer, *common,
                                                   args.specforge_backend, config_dir)
 
+    if args.profile:
+        for seq_len in seq_lens:
+            profile(trainers["ours"], random_batches(shape, seq_len, args.batches, device),
+                    args.warmup, args.steps, device)
+        return 0
     peak = matmul_peak(device)
     results = measure(trainers, seq_lens, batches=lambda n: random_batches(
         shape, n, args.batches, device), warmup=args.warmup, steps=args.steps,
@@ -587,6 +599,57 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"comparison with SpecForge skipped ({skipped})")
     return 0 if all(isinstance(r, Result) for r in results.values()) else 1
+
+
+KERNEL_KINDS = (  # (kind, marks in a kernel's name): the first kind with a mark wins
+    ("attention", ("flash", "fmha", "flex", "attention")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "_mm", "addmm", "bmm", "aten::mm")),
+    ("attention", ("triton_tem",)),  # Inductor's templates here are flex attention's
+    ("fused (compiled)", ("triton_",)),
+    ("copy", ("copy", "memcpy", "memset", "cat")),
+    ("elementwise / reduction", ("elementwise", "reduce", "softmax", "norm", "vectorized")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    lower = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in lower for m in marks)),
+                "other")
+
+
+def profile(build: Callable[[], Trainer], batches: list[Batch], warmup: int, steps: int,
+            device: torch.device, top: int = 15) -> None:
+    """Our trainer warmed up, then `steps` steps under the profiler: per step, each kind of
+    kernel's device time and share, then the `top` kernels by time. On CPU the operators stand
+    in for kernels (the tests)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+    cuda = device.type == "cuda"
+    trainer = build()
+    trainer.prepare(batches)
+    for i in range(warmup):
+        trainer.step(batches[i % len(batches)])
+    synchronize(device)
+    with profiler(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for i in range(steps):
+            trainer.step(batches[i % len(batches)])
+        synchronize(device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    times = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / steps
+             for e in prof.key_averages() if e.device_type == kind}
+    times = {k: t for k, t in times.items() if t > 0}
+    total = sum(times.values())
+    by_kind: dict[str, float] = {}
+    for name, t in times.items():
+        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + t
+    print(f"T={batches[0].tokens}: {total / 1e3:.1f} ms of {'kernels' if cuda else 'operators'}"
+          f" per step")
+    for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<26}{t / 1e3:>9.2f} ms {t / total:>7.1%}")
+    for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"    {t / 1e3:>8.2f} ms {t / total:>6.1%}  {kernel_kind(name):<24}{name[:90]}")
+    del trainer
+    free(device)
 
 
 def measure(trainers: dict[str, Callable[[], Trainer]],

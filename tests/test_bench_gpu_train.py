@@ -100,3 +100,31 @@ def test_a_stored_feed_holds_the_dump_encoding_on_the_host_and_decodes_it_per_st
     assert 0 < error < 2 ** -4
     assert torch.equal(fed.targets, batch.targets) and fed.tokens == 32
     assert math.isfinite(trainer.step(batch).item())
+
+
+def test_profile_says_where_a_step_spends_its_time_by_kind_and_kernel():
+    out = run(str(SCRIPT), "--tiny", "--profile", "--seq-lens", "32", "--steps", "2",
+              "--warmup", "1", "--batches", "1")
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("T=32: "))
+    total = float(re.match(r"T=32: ([\d.]+) ms of operators per step", lines[head]).group(1))
+    kinds = [re.match(r"^  (\S.*?)\s+([\d.]+) ms\s+([\d.]+)%$", line)
+             for line in lines[head + 1:] if re.match(r"^  \S", line)]
+    assert {m.group(1) for m in kinds} >= {"matmul"}
+    assert sum(float(m.group(2)) for m in kinds) == pytest.approx(total, rel=0.01)
+    assert sum(float(m.group(3)) for m in kinds) == pytest.approx(100, abs=0.5)
+    top = [line for line in lines[head + 1:] if line.startswith("    ")]
+    assert 0 < len(top) <= 15 and any("aten::mm" in line for line in top)
+
+
+def test_kernels_are_told_apart_by_kind():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_train
+    kinds = {name: gpu_train.kernel_kind(name) for name in (
+        "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN", "triton_tem_fused_0",
+        "triton_tem_fused_mm_3", "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
+        "Memcpy HtoD (Pinned -> Device)", "void flash::flash_fwd_kernel<...>")}
+    assert list(kinds.values()) == ["matmul", "attention", "matmul", "fused (compiled)",
+                                    "elementwise / reduction", "copy", "attention"]
