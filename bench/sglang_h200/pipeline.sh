@@ -12,7 +12,8 @@
 # (default 512) conversations are in flight at once ([generate] batch_size). EPOCHS (default 3) of training,
 # stopped at MAX_STEPS optimiser steps where set (the same budget for runs of unequal sizes).
 # INTERMEDIATE_SIZE (default 0: the target's) is the drafter's MLP width ([train] intermediate_size);
-# the best recipe measured (docs/sglang.md, "fifth run"): EPOCHS=20 MAX_STEPS=7200 INTERMEDIATE_SIZE=6144.
+# the best recipe measured (docs/sglang.md, "eighth run": 2.553 on all 17,600 conversations):
+# EPOCHS=20 MAX_STEPS=14400 INTERMEDIATE_SIZE=6144.
 # DUMP_DTYPE (default bfloat16) is [extract] dump_dtype. Two runs side by side on one GPU need
 # their own PORT (default 30555); the spool is named after OUTDIR, and each SGLang server takes
 # mem_fraction of the GPU memory free when it starts (SGLang sizes its cache that way).
