@@ -57,7 +57,7 @@ import tomllib
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Protocol, TypeVar
+from typing import Callable, Iterator, NamedTuple, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -617,11 +617,28 @@ def kernel_kind(name: str) -> str:
                 "other")
 
 
+class Gap(NamedTuple):
+    length: float  # in the kernels' time unit (the profiler's: microseconds)
+    after: str
+    before: str
+
+
+def idle_gaps(kernels: list[tuple[float, float, str]]) -> tuple[float, list[Gap]]:
+    """Kernels of one stream as (start, end, name), in any order: the span from the first start
+    to the last end, and the idle gaps between consecutive kernels, longest first. The gaps are
+    where the GPU waited for the host (a sync, launches slower than the kernels run)."""
+    ordered = sorted(kernels)
+    gaps = [Gap(b[0] - a[1], a[2], b[2]) for a, b in zip(ordered, ordered[1:]) if b[0] > a[1]]
+    span = max(end for _, end, _ in ordered) - ordered[0][0] if ordered else 0.0
+    return span, sorted(gaps, reverse=True)
+
+
 def profile(build: Callable[[], Trainer], batches: list[Batch], warmup: int, steps: int,
             device: torch.device, top: int = 15) -> None:
     """Our trainer warmed up, then `steps` steps under the profiler: per step, each kind of
-    kernel's device time and share, then the `top` kernels by time. On CPU the operators stand
-    in for kernels (the tests)."""
+    kernel's device time and share, then the `top` kernels by time; on a GPU also how long it
+    sat idle between kernels, and the longest of those gaps. On CPU the operators stand in for
+    kernels (the tests)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
     cuda = device.type == "cuda"
@@ -648,6 +665,14 @@ def profile(build: Callable[[], Trainer], batches: list[Batch], warmup: int, ste
         print(f"  {name:<26}{t / 1e3:>9.2f} ms {t / total:>7.1%}")
     for name, t in sorted(times.items(), key=lambda kv: -kv[1])[:top]:
         print(f"    {t / 1e3:>8.2f} ms {t / total:>6.1%}  {kernel_kind(name):<24}{name[:90]}")
+    if cuda:  # operators on a CPU nest and overlap: no gaps to read there
+        span, gaps = idle_gaps([(e.time_range.start, e.time_range.end, e.name)
+                                for e in prof.events() if e.device_type == kind])
+        idle = sum(g.length for g in gaps)
+        print(f"  idle between kernels: {idle / steps / 1e3:.2f} ms per step, "
+              f"{idle / max(span, 1e-9):.1%} of the span; longest gaps:")
+        for g in gaps[:5]:
+            print(f"    {g.length / 1e3:>8.2f} ms after {g.after[:50]} before {g.before[:50]}")
     del trainer
     free(device)
 

@@ -128,3 +128,13 @@ def test_kernels_are_told_apart_by_kind():
         "Memcpy HtoD (Pinned -> Device)", "void flash::flash_fwd_kernel<...>")}
     assert list(kinds.values()) == ["matmul", "attention", "matmul", "fused (compiled)",
                                     "elementwise / reduction", "copy", "attention"]
+
+
+def test_idle_gaps_are_the_spaces_between_kernels_longest_first():
+    sys.path.insert(0, str(SCRIPT.parent))
+    import gpu_train
+    span, gaps = gpu_train.idle_gaps([(10.0, 12.0, "b"), (0.0, 4.0, "a"), (12.0, 13.0, "c"),
+                                      (20.0, 21.0, "d")])
+    assert span == 21.0
+    assert gaps == [gpu_train.Gap(7.0, "c", "d"), gpu_train.Gap(6.0, "a", "b")]
+    assert gpu_train.idle_gaps([]) == (0.0, [])
