@@ -86,6 +86,7 @@ def training(steps: int, seq_len: int) -> dict[str, Callable[[], int]]:
     weights = initial_weights(SMOLLM2, target, seq_len + 2, cpu)
     batches = random_batches(SMOLLM2, seq_len, 2, cpu)
     trainer = OurTrainer(SMOLLM2, target, weights, seq_len + 2, 2e-3, 2, cpu)
+    trainer.prepare(batches)
 
     def run(bf16: bool) -> int:
         train_mod.cpu_computes_bf16 = lambda: bf16  # the trainer's own switch, both ways

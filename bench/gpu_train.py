@@ -254,13 +254,16 @@ class OurTrainer:
                                                       target.head_rows, device)
         self.model.load_state_dict(weights)
         self.optimizer = make_optimizer(self.model, lr, weight_decay=0.0)
+        self.targets: dict[int, Tensor] = {}  # per batch, on the host
 
     def prepare(self, batches: list[Batch]) -> None:
-        pass  # the batches are trained where they lie
+        # The batches are trained where they lie, but for the targets: the trainer reads them
+        # on the host (data.StoredBatch.to).
+        self.targets = {id(b): b.targets.cpu() for b in batches}
 
     def step(self, batch: Batch) -> Tensor:
-        return self.train(data.Batch(batch.input_ids, batch.aux, batch.last, batch.targets,
-                                     batch.tokens))
+        return self.train(data.Batch(batch.input_ids, batch.aux, batch.last,
+                                     self.targets[id(batch)], batch.tokens))
 
     def train(self, batch: data.Batch) -> Tensor:
         loss, _, _, _ = train_step(self.model, self.optimizer, batch, self.teacher_head,

@@ -43,7 +43,7 @@ class Batch:
     input_ids: torch.Tensor  # [B, T] int64
     aux: torch.Tensor        # [B, T, 3H]
     last: torch.Tensor       # [B, T, H]
-    targets: torch.Tensor    # [B, T] bool: the next token is loss-masked
+    targets: torch.Tensor    # [B, T] bool, on the host: the next token is loss-masked
     tokens: int              # real (unpadded) tokens trained on
 
 
@@ -58,11 +58,11 @@ class StoredBatch:
 
     def to(self, device: torch.device) -> Batch:
         """On `device`, fp8 states dequantized there; from pinned memory the copies do not
-        block the host."""
+        block the host. The targets stay on the host, where loss.teacher reads them."""
         aux, last = precision.decode_states({name: t.to(device, non_blocking=True)
                                              for name, t in self.states.items()})
-        return Batch(self.input_ids.to(device, non_blocking=True), aux, last,
-                     self.targets.to(device, non_blocking=True), self.tokens)
+        return Batch(self.input_ids.to(device, non_blocking=True), aux, last, self.targets,
+                     self.tokens)
 
 
 def sample_paths(manifest: dict[str, Any], dataset_dir: Path) -> list[Path]:

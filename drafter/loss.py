@@ -37,16 +37,23 @@ class Teacher(NamedTuple):
 
 @torch.no_grad()
 def teacher(last: Tensor, targets: Tensor, head: Tensor, steps: int) -> Teacher:
-    """`last` [B, T, H]: the target's final hidden states; `targets` [B, T] bool: index t counts
-    when token t+1 is loss-masked; `head`: the target lm_head's draft-vocabulary rows.
+    """`last` [B, T, H]: the target's final hidden states; `targets` [B, T] bool, on the host:
+    index t counts when token t+1 is loss-masked; `head`: the target lm_head's
+    draft-vocabulary rows.
 
     Step k at index t learns the teacher of index t+1+k, so it learns every counted index
-    u >= 1+k, from its output at u-1-k. The picks are found on the host and sent in one copy:
-    a copy per TTT step would make every step wait for the GPU to drain."""
-    b, u = targets.cpu().nonzero(as_tuple=True)
+    u >= 1+k, from its output at u-1-k. The picks are found on the host and sent in one copy
+    from pinned memory: reading `targets` back from the GPU, or copying from pageable memory,
+    would make every training step wait for the GPU to drain the step before."""
+    if targets.device.type != "cpu":
+        raise ValueError("teacher reads the targets on the host (data.StoredBatch.to keeps "
+                         "them there): a copy back would wait for the GPU")
+    b, u = targets.nonzero(as_tuple=True)
     rows = [(u >= 1 + k).nonzero().squeeze(1) for k in range(steps)]
     flat = torch.cat([b, u, *(torch.cat([r, b[r], u[r] - 1 - k]) for k, r in enumerate(rows)),
-                      torch.tensor([len(r) for r in rows])]).to(last.device)
+                      torch.tensor([len(r) for r in rows])])
+    if last.is_cuda:
+        flat = flat.pin_memory().to(last.device, non_blocking=True)
     b, u, *per_step, counts = flat.split([len(b), len(u), *(3 * len(r) for r in rows), steps])
     logits = last[b, u].to(head.dtype) @ head.T
     return Teacher(logits, logits.argmax(-1), [Pick(*p.view(3, -1)) for p in per_step], counts)

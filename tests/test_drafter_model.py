@@ -25,6 +25,13 @@ def tiny_model() -> Eagle3Drafter:
     return Eagle3Drafter(TINY, torch.randn(50, 32)).eval()
 
 
+def test_the_teacher_refuses_targets_off_the_host():
+    """Reading them back from the GPU would make every training step wait for the last."""
+    with pytest.raises(ValueError, match="on the host"):
+        teacher(torch.randn(1, 12, 16), torch.ones(1, 12, dtype=torch.bool, device="meta"),
+                torch.randn(20, 16), 3)
+
+
 def test_shapes_and_loss_counts_only_masked_positions():
     model = tiny_model()
     ids, aux = torch.randint(0, 50, (2, 12)), torch.randn(2, 12, 72)
