@@ -30,6 +30,15 @@ WINDOW = 64  # samples sorted together: larger pads less, smaller shuffles more
 PREFETCH = 2  # batches read ahead on CUDA: one in flight while the next waits
 
 
+def sent(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t`, made on the host, on `device` without waiting: a copy from pageable memory to a GPU
+    first waits for everything queued there (the training step before), one from pinned memory
+    with non_blocking does not."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass(frozen=True)
 class Planned:
     """One batch of an epoch's plan: its samples, and whether the loss counts them. A filler

@@ -15,6 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from eagle3d.drafter.data import sent
 from eagle3d.drafter.fusion import fused_on_cuda
 
 CHUNK_ELEMENTS = 1 << 25  # float32 temporaries per chunk on CPU: 128 MB
@@ -43,8 +44,9 @@ def teacher(last: Tensor, targets: Tensor, head: Tensor, steps: int) -> Teacher:
 
     Step k at index t learns the teacher of index t+1+k, so it learns every counted index
     u >= 1+k, from its output at u-1-k. The picks are found on the host and sent in one copy
-    from pinned memory: reading `targets` back from the GPU, or copying from pageable memory,
-    would make every training step wait for the GPU to drain the step before."""
+    that does not wait (data.sent): reading `targets` back from the GPU, or copying from
+    pageable memory, would make every training step wait for the GPU to drain the step before
+    (11.0k against 9.2k tokens/s at the Kimi-K2.5-sized draft, T = 4096, on an H200)."""
     if targets.device.type != "cpu":
         raise ValueError("teacher reads the targets on the host (data.StoredBatch.to keeps "
                          "them there): a copy back would wait for the GPU")
@@ -52,8 +54,7 @@ def teacher(last: Tensor, targets: Tensor, head: Tensor, steps: int) -> Teacher:
     rows = [(u >= 1 + k).nonzero().squeeze(1) for k in range(steps)]
     flat = torch.cat([b, u, *(torch.cat([r, b[r], u[r] - 1 - k]) for k, r in enumerate(rows)),
                       torch.tensor([len(r) for r in rows])])
-    if last.is_cuda:
-        flat = flat.pin_memory().to(last.device, non_blocking=True)
+    flat = sent(flat, last.device)
     b, u, *per_step, counts = flat.split([len(b), len(u), *(3 * len(r) for r in rows), steps])
     logits = last[b, u].to(head.dtype) @ head.T
     return Teacher(logits, logits.argmax(-1), [Pick(*p.view(3, -1)) for p in per_step], counts)

@@ -141,7 +141,9 @@ def epoch_plans(cfg: Config, rt: Runtime, lengths: list[int]) -> list[list[data.
 
 
 class Stop:
-    """SIGTERM asks for a checkpoint and a clean exit at the end of the current step."""
+    """SIGTERM asks for a checkpoint and a clean exit. The request travels with a step's figures
+    (StepFigures): every rank reads the same sum of them, so all stop at the same step, or
+    their collectives would no longer pair up."""
 
     def __init__(self) -> None:
         self.requested = False
@@ -149,14 +151,6 @@ class Stop:
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.requested = True
-
-    def agreed(self, rt: Runtime) -> bool:
-        """Ranks stop at the same step, or their collectives would no longer pair up."""
-        if rt.world == 1:
-            return self.requested
-        flag = torch.tensor([1.0 if self.requested else 0.0], device=rt.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
 
 
 def rng_states(rt: Runtime) -> list[Any]:
@@ -388,17 +382,94 @@ def upcoming(run: Run) -> Iterator[data.Planned]:
                             start + run.total - run.step)
 
 
+@dataclass
+class StepFigures:
+    """One step's figures on their way to the host: [loss x count per TTT step, correct per TTT
+    step, count per TTT step, tokens, stop requests], summed over the ranks. They are read one
+    step late, with the next step already queued on the GPU: reading them at once would drain
+    its queue at every step and leave it idle while the host starts the next."""
+    step: int
+    epoch: float  # epochs done after the step
+    lr: float
+    started: float
+    values: torch.Tensor
+    copied: torch.cuda.Event | None
+
+    @classmethod
+    def send(cls, run: Run, lr: float, started: float, per_step: torch.Tensor,
+             correct: torch.Tensor, counted: torch.Tensor, tokens: int,
+             stop_requested: bool) -> StepFigures:
+        extra = data.sent(torch.tensor([float(tokens), float(stop_requested)]), run.rt.device)
+        values = torch.cat([per_step.float() * counted, correct.float(), counted.float(), extra])
+        if run.rt.world > 1:
+            dist.all_reduce(values)
+        epoch = (run.epoch + run.pos / len(run.plans[run.epoch]) if run.epoch < len(run.plans)
+                 else float(len(run.plans)))
+        if not values.is_cuda:
+            return cls(run.step, epoch, lr, started, values, None)
+        copied = torch.cuda.Event()
+        values = values.to("cpu", non_blocking=True)  # into pinned memory
+        copied.record()
+        return cls(run.step, epoch, lr, started, values, copied)
+
+    def read(self) -> torch.Tensor:
+        if self.copied is not None:
+            self.copied.synchronize()
+        return self.values
+
+
+class Reporter:
+    """The metrics file, the progress file and the log, from each step's figures."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.recent = RecentRate()
+        self.started, self.started_step, self.last_log = time.monotonic(), run.step, 0.0
+        self.metrics = open(layout.metrics_file(run.dir), "a") if run.rt.main else None
+
+    def report(self, figures: StepFigures) -> bool:
+        """Writes the step's figures; whether a rank asked to stop by then."""
+        values = figures.read().tolist()
+        k = self.run.cfg.train.ttt_steps
+        counts = [max(n, 1.0) for n in values[2 * k:3 * k]]
+        step_loss = [v / n for v, n in zip(values[:k], counts)]
+        acc = [v / n for v, n in zip(values[k:2 * k], counts)]
+        now = time.monotonic()
+        tokens_per_s = self.recent.add(figures.started, now, values[3 * k])
+        progress = self.run.progress
+        if self.metrics is not None and progress is not None:
+            weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
+            row = {"step": figures.step, "epoch": figures.epoch, "loss": weighted,
+                   "loss_per_step": step_loss, "acc": acc, "tokens_per_s": tokens_per_s,
+                   "lr": figures.lr}
+            self.metrics.write(json.dumps(row) + "\n")
+            self.metrics.flush()
+            total = self.run.total
+            rate = (now - self.started) / max(figures.step - self.started_step, 1)
+            progress.write(train_files.TRAINING, force=figures.step == total,
+                           step=figures.step, epoch=figures.epoch, loss=weighted, acc=acc,
+                           tokens_per_s=tokens_per_s, eta_s=rate * (total - figures.step))
+            if now - self.last_log > 10 or figures.step == total:
+                self.last_log = now
+                log.info("step %d/%d loss %.3f acc %s %.0f tok/s", figures.step, total,
+                         weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s)
+        return values[3 * k + 1] > 0
+
+    def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+
 def train_loop(run: Run) -> bool:
     """Step until the last step or an agreed SIGTERM (checkpointed); True when stopped early."""
     cfg, rt = run.cfg, run.rt
     stop = Stop()
-    started, started_step, last_log = time.monotonic(), run.step, 0.0
-    recent = RecentRate()
-    metrics = open(layout.metrics_file(run.dir), "a") if rt.main else None
+    reporter = Reporter(run)
     loader = data.batches(run.paths, upcoming(run), rt.device)
+    pending: StepFigures | None = None  # the step before, not yet reported
     try:
         while run.step < run.total:
-            tick = time.monotonic()
+            started = time.monotonic()
             batch = next(loader)
             _, per_step, correct, counted = train_step(run.ddp, run.optimizer, batch,
                                                        run.teacher_head, cfg.train.ttt_steps,
@@ -408,34 +479,17 @@ def train_loop(run: Run) -> bool:
             run.step, run.pos = run.step + 1, run.pos + 1
             if run.pos == len(run.plans[run.epoch]):
                 run.epoch, run.pos = run.epoch + 1, 0
-            stats = torch.cat([per_step.float() * counted, correct.float(), counted.float(),
-                               torch.tensor([float(batch.tokens)], device=rt.device)])
-            if rt.world > 1:
-                dist.all_reduce(stats)
-            k = cfg.train.ttt_steps
-            n = stats[2 * k:3 * k].clamp(min=1)
-            step_loss = (stats[:k] / n).tolist()
-            acc = (stats[k:2 * k] / n).tolist()
-            tokens_per_s = recent.add(tick, time.monotonic(), stats[-1].item())
-            if metrics is not None and run.progress is not None:
-                weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
-                done_epochs = run.epoch + run.pos / len(run.plans[run.epoch]) \
-                    if run.epoch < len(run.plans) else len(run.plans)
-                row = {"step": run.step, "epoch": done_epochs, "loss": weighted,
-                       "loss_per_step": step_loss, "acc": acc, "tokens_per_s": tokens_per_s,
-                       "lr": lr}
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                rate = (time.monotonic() - started) / (run.step - started_step)
-                run.progress.write(train_files.TRAINING, force=run.step == run.total,
-                                   step=run.step, epoch=done_epochs, loss=weighted, acc=acc,
-                                   tokens_per_s=tokens_per_s, eta_s=rate * (run.total - run.step))
-                if time.monotonic() - last_log > 10 or run.step == run.total:
-                    last_log = time.monotonic()
-                    log.info("step %d/%d loss %.3f acc %s %.0f tok/s", run.step, run.total,
-                             weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s)
-            stopping = stop.agreed(rt)
-            if run.step % cfg.train.checkpoint_every == 0 or stopping or run.step == run.total:
+            figures = StepFigures.send(run, lr, started, per_step, correct, counted,
+                                       batch.tokens, stop.requested)
+            stopping = pending is not None and reporter.report(pending)
+            pending = figures
+            checkpoint_due = run.step % cfg.train.checkpoint_every == 0 or run.step == run.total
+            # On a CPU the step has run by now: nothing to overlap. A checkpoint's step is in
+            # the metrics before it: a resumed run keeps them.
+            if figures.copied is None or stopping or checkpoint_due:
+                stopping = reporter.report(figures) or stopping
+                pending = None
+            if stopping or checkpoint_due:
                 save_checkpoint(run)
             if stopping:
                 if rt.main:
@@ -443,8 +497,7 @@ def train_loop(run: Run) -> bool:
                 return True
     finally:
         loader.close()
-        if metrics is not None:
-            metrics.close()
+        reporter.close()
     return False
 
 
