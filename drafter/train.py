@@ -12,7 +12,6 @@ train folder. `progress.json` tells the daemon where it is.
 from __future__ import annotations
 
 import argparse
-import collections
 import itertools
 import json
 import logging
@@ -33,8 +32,9 @@ from eagle3d.target.loading import cpu_computes_bf16, fingerprint_file_or_folder
 from eagle3d.target.loading import load_config as load_target_config
 from eagle3d.drafter import checkpoint, data, loss as loss_mod, vocab as vocab_mod
 from eagle3d.drafter.export import export
-from eagle3d.drafter.model import LOSS_DECAY, DraftConfig, Eagle3Drafter
+from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.plots import plot_metrics
+from eagle3d.drafter.reporting import Reporter, StepFigures
 from eagle3d.drafter.target_weights import load_embedding_and_head
 from eagle3d.statemachine import layout, train_files
 from eagle3d.statemachine import manifest as manifest_mod
@@ -358,23 +358,6 @@ def save_checkpoint(run: Run) -> None:
         dist.barrier()
 
 
-class RecentRate:
-    """Tokens per second over the steps of the last `window_s` seconds, waits for data between
-    them included: what the log, the status and the metrics report. One step's own rate swung
-    from 84 to 147,400 tokens/s in one H200 run (a step pays for whatever the GPU's queue
-    held), which reads as a stall or a spike that is not there."""
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self.steps: collections.deque[tuple[float, float, float]] = collections.deque()
-
-    def add(self, started: float, ended: float, tokens: float) -> float:
-        self.steps.append((started, ended, tokens))
-        while ended - self.steps[0][1] > self.window_s:
-            self.steps.popleft()
-        return sum(t for _, _, t in self.steps) / max(ended - self.steps[0][0], 1e-9)
-
-
 def upcoming(run: Run) -> Iterator[data.Planned]:
     """This rank's batches from where the run stands to its last step."""
     start = sum(len(plan) for plan in run.plans[:run.epoch]) + run.pos
@@ -382,89 +365,12 @@ def upcoming(run: Run) -> Iterator[data.Planned]:
                             start + run.total - run.step)
 
 
-@dataclass
-class StepFigures:
-    """One step's figures on their way to the host: [loss x count per TTT step, correct per TTT
-    step, count per TTT step, tokens, stop requests], summed over the ranks. They are read one
-    step late, with the next step already queued on the GPU: reading them at once would drain
-    its queue at every step and leave it idle while the host starts the next."""
-    step: int
-    epoch: float  # epochs done after the step
-    lr: float
-    started: float
-    values: torch.Tensor
-    copied: torch.cuda.Event | None
-
-    @classmethod
-    def send(cls, run: Run, lr: float, started: float, per_step: torch.Tensor,
-             correct: torch.Tensor, counted: torch.Tensor, tokens: int,
-             stop_requested: bool) -> StepFigures:
-        extra = data.sent(torch.tensor([float(tokens), float(stop_requested)]), run.rt.device)
-        values = torch.cat([per_step.float() * counted, correct.float(), counted.float(), extra])
-        if run.rt.world > 1:
-            dist.all_reduce(values)
-        epoch = (run.epoch + run.pos / len(run.plans[run.epoch]) if run.epoch < len(run.plans)
-                 else float(len(run.plans)))
-        if not values.is_cuda:
-            return cls(run.step, epoch, lr, started, values, None)
-        copied = torch.cuda.Event()
-        values = values.to("cpu", non_blocking=True)  # into pinned memory
-        copied.record()
-        return cls(run.step, epoch, lr, started, values, copied)
-
-    def read(self) -> torch.Tensor:
-        if self.copied is not None:
-            self.copied.synchronize()
-        return self.values
-
-
-class Reporter:
-    """The metrics file, the progress file and the log, from each step's figures."""
-
-    def __init__(self, run: Run) -> None:
-        self.run = run
-        self.recent = RecentRate()
-        self.started, self.started_step, self.last_log = time.monotonic(), run.step, 0.0
-        self.metrics = open(layout.metrics_file(run.dir), "a") if run.rt.main else None
-
-    def report(self, figures: StepFigures) -> bool:
-        """Writes the step's figures; whether a rank asked to stop by then."""
-        values = figures.read().tolist()
-        k = self.run.cfg.train.ttt_steps
-        counts = [max(n, 1.0) for n in values[2 * k:3 * k]]
-        step_loss = [v / n for v, n in zip(values[:k], counts)]
-        acc = [v / n for v, n in zip(values[k:2 * k], counts)]
-        now = time.monotonic()
-        tokens_per_s = self.recent.add(figures.started, now, values[3 * k])
-        progress = self.run.progress
-        if self.metrics is not None and progress is not None:
-            weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
-            row = {"step": figures.step, "epoch": figures.epoch, "loss": weighted,
-                   "loss_per_step": step_loss, "acc": acc, "tokens_per_s": tokens_per_s,
-                   "lr": figures.lr}
-            self.metrics.write(json.dumps(row) + "\n")
-            self.metrics.flush()
-            total = self.run.total
-            rate = (now - self.started) / max(figures.step - self.started_step, 1)
-            progress.write(train_files.TRAINING, force=figures.step == total,
-                           step=figures.step, epoch=figures.epoch, loss=weighted, acc=acc,
-                           tokens_per_s=tokens_per_s, eta_s=rate * (total - figures.step))
-            if now - self.last_log > 10 or figures.step == total:
-                self.last_log = now
-                log.info("step %d/%d loss %.3f acc %s %.0f tok/s", figures.step, total,
-                         weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s)
-        return values[3 * k + 1] > 0
-
-    def close(self) -> None:
-        if self.metrics is not None:
-            self.metrics.close()
-
-
 def train_loop(run: Run) -> bool:
     """Step until the last step or an agreed SIGTERM (checkpointed); True when stopped early."""
     cfg, rt = run.cfg, run.rt
     stop = Stop()
-    reporter = Reporter(run)
+    reporter = Reporter(cfg.train.ttt_steps, run.total, run.step,
+                        layout.metrics_file(run.dir) if rt.main else None, run.progress)
     loader = data.batches(run.paths, upcoming(run), rt.device)
     pending: StepFigures | None = None  # the step before, not yet reported
     try:
@@ -479,8 +385,11 @@ def train_loop(run: Run) -> bool:
             run.step, run.pos = run.step + 1, run.pos + 1
             if run.pos == len(run.plans[run.epoch]):
                 run.epoch, run.pos = run.epoch + 1, 0
-            figures = StepFigures.send(run, lr, started, per_step, correct, counted,
-                                       batch.tokens, stop.requested)
+            epoch = (run.epoch + run.pos / len(run.plans[run.epoch])
+                     if run.epoch < len(run.plans) else float(len(run.plans)))
+            figures = StepFigures.send(rt.device, rt.world, run.step, epoch, lr, started,
+                                       per_step, correct, counted, batch.tokens,
+                                       stop.requested)
             stopping = pending is not None and reporter.report(pending)
             pending = figures
             checkpoint_due = run.step % cfg.train.checkpoint_every == 0 or run.step == run.total

@@ -298,7 +298,7 @@ def test_refuses_a_dataset_that_does_not_match_the_ledger(tmp_path, data_root):
 
 
 def test_the_reported_rate_holds_steady_through_one_slow_step_and_follows_a_lasting_change():
-    from eagle3d.drafter.train import RecentRate
+    from eagle3d.drafter.reporting import RecentRate
     rate, now = RecentRate(window_s=10.0), 0.0
 
     def steps(count: int, seconds: float, tokens: float = 1000.0) -> float:
