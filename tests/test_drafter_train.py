@@ -26,12 +26,14 @@ def metrics(train_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (train_dir / "metrics.jsonl").read_text().splitlines()]
 
 def wait_for_steps(train: Path, steps: int, seconds: float) -> None:
-    """Until the trainer in `train` has logged `steps` steps, or `seconds` have passed."""
+    """Until the trainer in `train` has logged `steps` steps; fails after `seconds`."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if (train / "metrics.jsonl").exists() and len(metrics(train)) >= steps:
             return
         time.sleep(0.1)
+    logged = len(metrics(train)) if (train / "metrics.jsonl").exists() else 0
+    pytest.fail(f"the trainer logged {logged} of {steps} steps in {seconds} s")
 
 
 
@@ -229,7 +231,9 @@ def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, dat
         first = subprocess.Popen(leader_argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                  text=True)
         wait_for_steps(train, 3, 300)  # past the step-2 checkpoint, before the end
-        trainer_rank(follower).kill()
+        follower_trainer = trainer_rank(follower)
+        assert follower_trainer is not None, "node 1's trainer is not running"
+        follower_trainer.kill()
         _, err = first.communicate(timeout=120)
         assert first.returncode != 0, "node 0 finished although node 1 was killed"
         assert "node 0 of 2: ranks 0 to 0 of 2" in err
