@@ -654,14 +654,15 @@ def profile(build: Callable[[], Trainer], batches: list[Batch], warmup: int, ste
         for i in range(steps):
             trainer.step(batches[i % len(batches)])
         synchronize(device)
-    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events_on = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     times = {e.key: (e.self_device_time_total if cuda else e.self_cpu_time_total) / steps
-             for e in prof.key_averages() if e.device_type == kind}
+             for e in prof.key_averages() if e.device_type == events_on}
     times = {k: t for k, t in times.items() if t > 0}
     total = sum(times.values())
     by_kind: dict[str, float] = {}
     for name, t in times.items():
-        by_kind[kernel_kind(name)] = by_kind.get(kernel_kind(name), 0.0) + t
+        kind = kernel_kind(name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + t
     print(f"T={batches[0].tokens}: {total / 1e3:.1f} ms of {'kernels' if cuda else 'operators'}"
           f" per step")
     for name, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
@@ -670,7 +671,7 @@ def profile(build: Callable[[], Trainer], batches: list[Batch], warmup: int, ste
         print(f"    {t / 1e3:>8.2f} ms {t / total:>6.1%}  {kernel_kind(name):<24}{name[:90]}")
     if cuda:  # operators on a CPU nest and overlap: no gaps to read there
         span, gaps = idle_gaps([(e.time_range.start, e.time_range.end, e.name)
-                                for e in prof.events() if e.device_type == kind])
+                                for e in prof.events() if e.device_type == events_on])
         idle = sum(g.length for g in gaps)
         print(f"  idle between kernels: {idle / steps / 1e3:.2f} ms per step, "
               f"{idle / max(span, 1e-9):.1%} of the span; longest gaps:")

@@ -93,22 +93,22 @@ class Reporter:
         acc = [v / n for v, n in zip(values[k:2 * k], counts)]
         now = time.monotonic()
         tokens_per_s = self.recent.add(figures.started, now, values[3 * k])
-        progress = self.progress
-        if self.metrics is not None and progress is not None:
+        if self.metrics is not None and self.progress is not None:
             weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
             row = {"step": figures.step, "epoch": figures.epoch, "loss": weighted,
                    "loss_per_step": step_loss, "acc": acc, "tokens_per_s": tokens_per_s,
                    "lr": figures.lr}
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
-            total = self.total
             rate = (now - self.started) / max(figures.step - self.started_step, 1)
-            progress.write(train_files.TRAINING, force=figures.step == total,
-                           step=figures.step, epoch=figures.epoch, loss=weighted, acc=acc,
-                           tokens_per_s=tokens_per_s, eta_s=rate * (total - figures.step))
-            if now - self.last_log > 10 or figures.step == total:
+            last = figures.step == self.total
+            self.progress.write(train_files.TRAINING, force=last, step=figures.step,
+                                epoch=figures.epoch, loss=weighted, acc=acc,
+                                tokens_per_s=tokens_per_s,
+                                eta_s=rate * (self.total - figures.step))
+            if now - self.last_log > 10 or last:
                 self.last_log = now
-                log.info("step %d/%d loss %.3f acc %s %.0f tok/s", figures.step, total,
+                log.info("step %d/%d loss %.3f acc %s %.0f tok/s", figures.step, self.total,
                          weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s)
         return values[3 * k + 1] > 0
 
