@@ -19,18 +19,22 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 
-def fused_on_cuda(fn: F) -> F:
+def fused_on_cuda(fn: F | None = None, *, dynamic: bool | None = None):
     """`fn`, compiled when its first argument is a CUDA tensor (once per shape family), except
     in inference mode: drafting (evaluation) changes shapes with every accepted chain and has no
     backward to save memory for. The compiler is only imported when first used: CPU processes
-    never pay for it."""
+    never pay for it. `dynamic=True` compiles for any length from the first call on: for a
+    function whose argument lists vary too (one graph per list length), so that lengths times
+    list lengths stay within the compiler's 8 graphs per function."""
+    if fn is None:
+        return functools.partial(fused_on_cuda, dynamic=dynamic)
 
     @functools.wraps(fn)
     def run(x: torch.Tensor, *args, **kwargs):
         if not x.is_cuda or torch.is_inference_mode_enabled():
             return fn(x, *args, **kwargs)
         if run.compiled is None:
-            run.compiled = torch.compile(fn)
+            run.compiled = torch.compile(fn, dynamic=dynamic)
         return run.compiled(x, *args, **kwargs)
     run.compiled = None
     return run  # type: ignore[return-value]

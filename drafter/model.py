@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from eagle3d.drafter.fusion import fused_on_cuda
 from eagle3d.drafter.loss import Teacher, soft_cross_entropy
@@ -114,89 +114,115 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def dense_attention(q: Tensor, segments: list[KV], scale: float,
+def _grouped(t: Tensor, kv_heads: int) -> Tensor:
+    """[B, heads, T, D] as [B, kv_heads, heads / kv_heads, T, D]: each query head beside the
+    others that share its key head, without repeating the keys."""
+    B, heads, T, D = t.shape
+    return t.view(B, kv_heads, heads // kv_heads, T, D)
+
+
+@fused_on_cuda(dynamic=True)  # one kernel per number of drafts, any length
+def _merge_drafts(q: Tensor, out: Tensor, lse: Tensor, keys: list[Tensor],
+                  values: list[Tensor], scale: float) -> Tensor:
+    """Attention over the context (`out`, its log-sum-exp `lse` [B, heads, T]) extended by one
+    key per query for each draft, [B, kv_heads, T, D] each: one softmax over all of them."""
+    kv_heads = keys[0].shape[1]
+    qg = _grouped(q, kv_heads).float()
+    scores = [_grouped(lse[..., None], kv_heads)[..., 0]]
+    scores += [(qg * k.float()[:, :, None]).sum(-1) * scale for k in keys]
+    top = torch.stack(scores).amax(0)
+    weights = [torch.exp(s - top)[..., None] for s in scores]
+    total = weights[0] * _grouped(out, kv_heads).float()
+    for w, v in zip(weights[1:], values):
+        total = total + w * v.float()[:, :, None]
+    merged = total / sum(weights)
+    return merged.view(out.shape).to(out.dtype)
+
+
+def with_drafts(q: Tensor, out: Tensor, lse: Tensor, drafts: list[KV], scale: float) -> Tensor:
+    """The context's attention (`out`, `lse`) once the drafts at each query's own position
+    join its softmax: dense_attention's result, from a kernel that saw the context alone. The
+    drafts are one key per query: a dot product each, not attention blocks."""
+    if not drafts:
+        return out
+    return _merge_drafts(q, out, lse, [k for k, _ in drafts], [v for _, v in drafts], scale)
+
+
+def dense_attention(q: Tensor, context: KV, drafts: list[KV], scale: float,
                     key_mask: Tensor | None = None) -> Tensor:
-    """EAGLE-3 attention with materialised scores. segments[0] is the context, seen causally
-    (query i is context index Tc - T + i); segments[1:] are the drafts made earlier at each
-    query's own position, one key per query each. `key_mask` [B, Tc] hides context keys a row
-    does not hold (padding, when rows of different lengths share a batch). Returns
+    """EAGLE-3 attention with materialised scores, one softmax over every key a query sees. The
+    context is seen causally (query i is context index Tc - T + i); each of `drafts` holds one
+    key per query, made earlier at the query's own position. `key_mask` [B, Tc] hides context
+    keys a row does not hold (padding, when rows of different lengths share a batch). Returns
     [B, heads, T, head_dim]."""
-    (ctx_k, ctx_v), own = segments[0], segments[1:]
-    T, Tc = q.shape[2], ctx_k.shape[2]
-    rep = q.shape[1] // ctx_k.shape[1]
-    expand = (lambda t: t.repeat_interleave(rep, dim=1)) if rep > 1 else (lambda t: t)
-    scores = (q @ expand(ctx_k).transpose(-1, -2)) * scale
+    ctx_k, ctx_v = context
+    T, Tc, kv_heads = q.shape[2], ctx_k.shape[2], ctx_k.shape[1]
+    qg = _grouped(q, kv_heads)
+    scores = (qg @ ctx_k[:, :, None].transpose(-1, -2)) * scale
     visible = (torch.arange(Tc, device=q.device)[None, :]
                <= torch.arange(Tc - T, Tc, device=q.device)[:, None])
     if key_mask is not None:
-        visible = visible & key_mask[:, None, None, :]
+        visible = visible & key_mask[:, None, None, None, :]
     scores = scores.masked_fill(~visible, float("-inf"))
-    own_scores = [((q * expand(ok)).sum(-1, keepdim=True) * scale) for ok, _ in own]
-    probs = torch.softmax(torch.cat([scores, *own_scores], dim=-1).float(), dim=-1).to(q.dtype)
-    out = probs[..., :Tc] @ expand(ctx_v)
-    for j, (_, ov) in enumerate(own):
-        out = out + probs[..., Tc + j:Tc + j + 1] * expand(ov)
-    return out
+    own = [(qg * k[:, :, None]).sum(-1, keepdim=True) * scale for k, _ in drafts]
+    probs = torch.softmax(torch.cat([scores, *own], dim=-1).float(), dim=-1).to(q.dtype)
+    out = probs[..., :Tc] @ ctx_v[:, :, None]
+    for j, (_, v) in enumerate(drafts):
+        out = out + probs[..., Tc + j:Tc + j + 1] * v[:, :, None]
+    return out.view(q.shape)
 
 
-def _ttt_mask(T: int):
-    """The same pattern over the segments laid end to end: causal in the first T keys, the
-    diagonal in every later block of T."""
-    def mask(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-        return ((kv_idx < T) & (kv_idx <= q_idx)) | ((kv_idx >= T) & (kv_idx % T == q_idx))
-    return mask
+def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    return kv_idx <= q_idx
 
 
-@functools.lru_cache(maxsize=256)
-def ttt_block_mask(T: int, segments: int, device: torch.device) -> BlockMask:
-    """_ttt_mask's blocks, listed from the pattern (T a multiple of FLEX_TILE): query tile i
-    sees context tiles 0..i-1 whole, and tile i of every segment in part (the causal diagonal,
-    then each draft's diagonal). create_block_mask finds the same blocks by evaluating the mask
-    at every (query, key): [T, segments*T] booleans and their temporaries, growing with T
-    squared (the 8B-sized draft's peak at T = 32768 on an H200: 109.9 GiB with it, 66.8 without;
-    5 GiB on a CPU at T = 8192)."""
-    tiles, kv_tiles = T // FLEX_TILE, segments * T // FLEX_TILE
+@functools.lru_cache(maxsize=64)
+def causal_block_mask(T: int, device: torch.device) -> BlockMask:
+    """_causal's blocks, listed from the pattern (T a multiple of FLEX_TILE): query tile i
+    sees key tiles 0..i-1 whole and tile i in part. create_block_mask finds the same blocks by
+    evaluating the mask at every (query, key): [T, T] booleans and their temporaries, growing
+    with T squared."""
+    tiles = T // FLEX_TILE
     i = torch.arange(tiles, device=device, dtype=torch.int32)
-    partial = i[:, None] + tiles * torch.arange(segments, device=device, dtype=torch.int32)
-    # Each row as wide as the key tiles (what the kernel's transpose expects), its blocks first.
-    partial = F.pad(partial, (0, kv_tiles - segments))
-    full = torch.arange(kv_tiles, device=device, dtype=torch.int32).expand(tiles, -1)
+    # Each row as wide as the key tiles (what the kernel's transpose expects), its block first.
+    partial = F.pad(i[:, None], (0, tiles - 1))
+    full = i.expand(tiles, -1)
     return BlockMask.from_kv_blocks(
-        torch.full((1, 1, tiles), segments, dtype=torch.int32, device=device),
-        partial[None, None], i[None, None], full[None, None].contiguous(),
-        FLEX_TILE, _ttt_mask(T), (T, segments * T))
+        torch.ones((1, 1, tiles), dtype=torch.int32, device=device), partial[None, None],
+        i[None, None], full[None, None].contiguous(), FLEX_TILE, _causal, (T, T))
 
 
 _flex = fused_on_cuda(flex_attention)  # eager on CPU: the forward only (tests)
 
 
-def flex_ttt_attention(q: Tensor, segments: list[KV], scale: float) -> Tensor:
-    """dense_attention for training, where the context is the queries' own positions, as one
-    fused kernel that skips the masked blocks: no [heads, T, T] scores, no repeated KV heads.
+def flex_ttt_attention(q: Tensor, context: KV, drafts: list[KV], scale: float) -> Tensor:
+    """dense_attention for training, where the context is the queries' own positions: flex
+    attention over the context, one fused kernel that skips the masked blocks (no [heads, T, T]
+    scores, no repeated KV heads), its log-sum-exp then merged with the drafts' keys.
     Lengths are padded to flex's tile: short sequences then take its main kernel, and every
     length in a tile compiles to the same shapes. Real queries never see a padded key (the
-    context is causal, the drafts diagonal), so the padding changes nothing."""
+    context is causal), so the padding changes nothing."""
     T = q.shape[2]
-    if segments[0][0].shape[2] != T:
+    if context[0].shape[2] != T:
         raise ValueError("flex_ttt_attention needs the context to be the queries' positions")
     padded = -(-T // FLEX_TILE) * FLEX_TILE
 
     def pad(t: Tensor) -> Tensor:
         return F.pad(t, (0, 0, 0, padded - T)) if padded != T else t
 
-    keys = torch.cat([pad(k) for k, _ in segments], dim=2)
-    values = torch.cat([pad(v) for _, v in segments], dim=2)
-    out = _flex(pad(q), keys, values, scale=scale, enable_gqa=True,
-                block_mask=ttt_block_mask(padded, len(segments), q.device))
-    return out[:, :, :T]
+    out, aux = _flex(pad(q), pad(context[0]), pad(context[1]), scale=scale, enable_gqa=True,
+                     block_mask=causal_block_mask(padded, q.device),
+                     return_aux=AuxRequest(lse=True))
+    return with_drafts(q, out[:, :, :T], aux.lse[:, :, :T], drafts, scale)
 
 
-def attend(q: Tensor, segments: list[KV], scale: float, key_mask: Tensor | None) -> Tensor:
+def attend(q: Tensor, context: KV, drafts: list[KV], scale: float,
+           key_mask: Tensor | None) -> Tensor:
     # Flex has no CPU backward and compiles per shape: it serves training on CUDA, where the
     # dense scores would be [heads, T, T] per TTT step; drafting and CPU runs stay dense.
     if q.is_cuda and torch.is_grad_enabled() and key_mask is None:
-        return flex_ttt_attention(q, segments, scale)
-    return dense_attention(q, segments, scale, key_mask)
+        return flex_ttt_attention(q, context, drafts, scale)
+    return dense_attention(q, context, drafts, scale, key_mask)
 
 
 class Attention(nn.Module):
@@ -217,11 +243,12 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if drafts is None:  # real positions: they join the context
-            segments = [(k, v) if context is None else (torch.cat([context[0], k], dim=2),
-                                                        torch.cat([context[1], v], dim=2))]
+            context, drafts = ((k, v) if context is None else
+                               (torch.cat([context[0], k], dim=2),
+                                torch.cat([context[1], v], dim=2))), []
         else:  # a draft step: the context is fixed, the chain so far is at the same position
-            segments = [context, *drafts, (k, v)]
-        out = attend(q, segments, 1.0 / math.sqrt(self.head_dim), key_mask)
+            drafts = [*drafts, (k, v)]
+        out = attend(q, context, drafts, 1.0 / math.sqrt(self.head_dim), key_mask)
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
 

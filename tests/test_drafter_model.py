@@ -10,8 +10,9 @@ from torch.nn.attention.flex_attention import create_block_mask
 
 from eagle3d.drafter import loss as loss_mod
 from eagle3d.drafter.loss import soft_cross_entropy, teacher
-from eagle3d.drafter.model import (FLEX_TILE, DraftConfig, Eagle3Drafter, _ttt_mask,
-                                   dense_attention, flex_ttt_attention, ttt_block_mask)
+from eagle3d.drafter.model import (FLEX_TILE, DraftConfig, Eagle3Drafter, _causal,
+                                   causal_block_mask, dense_attention, flex_ttt_attention,
+                                   with_drafts)
 from eagle3d.drafter.vocab import from_counts
 
 TINY = DraftConfig(hidden_size=32, target_hidden_size=24, intermediate_size=64,
@@ -95,33 +96,71 @@ def test_training_time_test_sees_what_chain_drafting_sees():
                 torch.testing.assert_close(feature[0, 0], outs[k][0, t], atol=1e-5, rtol=1e-5)
 
 
+def _attention_inputs(drafts: int, T: int, Tc: int, grad: bool = False):
+    B, heads, kv_heads, D = 2, 4, 2, 16
+    q = torch.randn(B, heads, T, D, requires_grad=grad)
+    context, *others = [(torch.randn(B, kv_heads, n, D, requires_grad=grad),
+                         torch.randn(B, kv_heads, n, D, requires_grad=grad))
+                        for n in (Tc, *[T] * drafts)]
+    return q, context, others
+
+
+def _context_log_sum_exp(q, context, scale, key_mask):
+    keys = context[0].repeat_interleave(q.shape[1] // context[0].shape[1], 1)
+    T, Tc = q.shape[2], keys.shape[2]
+    visible = (torch.arange(Tc)[None, :] <= torch.arange(Tc - T, Tc)[:, None]) & \
+        key_mask[:, None, None, :]
+    return (q @ keys.transpose(-1, -2) * scale).masked_fill(~visible, -torch.inf).logsumexp(-1)
+
+
+@pytest.mark.parametrize("drafts", [1, 4])
+def test_drafts_merged_into_the_context_attention_give_one_softmax_and_its_gradient(drafts):
+    """Training on CUDA attends to the context alone (flex) and merges the drafts' keys in
+    through its log-sum-exp: the result and every gradient must be those of one softmax over
+    all the keys (dense_attention), also where a batch row hides context keys and the context
+    is longer than the queries."""
+    torch.manual_seed(drafts)
+    q, context, others = _attention_inputs(drafts, T=5, Tc=9, grad=True)
+    key_mask = torch.ones(2, 9, dtype=torch.bool)
+    key_mask[1, :3] = False
+    alone = dense_attention(q, context, [], 0.25, key_mask)
+    merged = with_drafts(q, alone, _context_log_sum_exp(q, context, 0.25, key_mask), others,
+                         0.25)
+    want = dense_attention(q, context, others, 0.25, key_mask)
+    torch.testing.assert_close(merged, want, atol=1e-5, rtol=1e-4)
+    leaves = [q, *context, *[t for kv in others for t in kv]]
+    g = torch.randn_like(want)
+    for got, expected in zip(torch.autograd.grad(merged, leaves, g),
+                             torch.autograd.grad(want, leaves, g)):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("segments", [1, 2, 5])
-def test_fused_attention_equals_the_dense_one(segments):
-    """The CUDA training kernel (flex, blocks of the EAGLE-3 mask) against the dense scores,
-    with grouped KV heads and a length that is not a multiple of the kernel's block."""
-    torch.manual_seed(segments)
-    B, heads, kv_heads, T, D = 2, 4, 2, 150, 16
-    q = torch.randn(B, heads, T, D)
-    kv = [(torch.randn(B, kv_heads, T, D), torch.randn(B, kv_heads, T, D))
-          for _ in range(segments)]
+@pytest.mark.parametrize("drafts", [0, 1, 4])
+def test_fused_attention_equals_the_dense_one(drafts):
+    """The CUDA training kernel (flex over the causal context's blocks, then the drafts)
+    against the dense scores, with grouped KV heads and a length that is not a multiple of the
+    kernel's block."""
+    torch.manual_seed(drafts)
+    q, context, others = _attention_inputs(drafts, T=150, Tc=150)
     with torch.no_grad():  # flex has no CPU backward; on CPU this runs its eager reference
-        torch.testing.assert_close(flex_ttt_attention(q, kv, D ** -0.5),
-                                   dense_attention(q, kv, D ** -0.5), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(flex_ttt_attention(q, context, others, 0.25),
+                                   dense_attention(q, context, others, 0.25),
+                                   atol=1e-5, rtol=1e-4)
 
 
 def _blocks(num: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
     return [sorted(indices[0, 0, row, :num[0, 0, row]].tolist()) for row in range(num.shape[-1])]
 
 
-@pytest.mark.parametrize("tiles,segments", [(1, 1), (1, 2), (3, 1), (4, 3), (6, 8)])
-def test_the_listed_attention_blocks_are_those_the_mask_gives(tiles, segments):
+@pytest.mark.parametrize("tiles", [1, 2, 3, 6])
+def test_the_listed_attention_blocks_are_those_the_mask_gives(tiles):
     """The kernel skips every block its BlockMask leaves out and computes full blocks without
     the mask: one wrong entry silently drops or leaks attention, so both lists, seen from the
     queries and from the keys, must be flex's own reading of the mask."""
     T = tiles * FLEX_TILE
-    want = create_block_mask(_ttt_mask(T), None, None, T, segments * T, device="cpu")
-    got = ttt_block_mask(T, segments, torch.device("cpu"))
+    want = create_block_mask(_causal, None, None, T, T, device="cpu")
+    got = causal_block_mask(T, torch.device("cpu"))
     assert got.seq_lengths == want.seq_lengths
     for side in ("kv", "full_kv", "q", "full_q"):
         listed = [_blocks(getattr(m, f"{side}_num_blocks"), getattr(m, f"{side}_indices"))
@@ -130,13 +169,13 @@ def test_the_listed_attention_blocks_are_those_the_mask_gives(tiles, segments):
 
 
 def test_the_attention_blocks_of_a_long_sequence_cost_no_quadratic_memory():
-    """Training at T = 32768 must not spend tens of GiB listing blocks: at T = 8192 with the 8
-    segments of TTT 7, evaluating the mask everywhere held 5 GiB."""
+    """Training at T = 32768 must not spend GiBs listing blocks: evaluating the mask everywhere
+    holds [T, T] booleans and their temporaries (5 GiB at T = 8192 with TTT 7's 8 segments)."""
     grown = subprocess.run([sys.executable, "-c", """
 import resource, torch
-from eagle3d.drafter.model import ttt_block_mask
+from eagle3d.drafter.model import causal_block_mask
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-ttt_block_mask(8192, 8, torch.device("cpu"))
+causal_block_mask(32768, torch.device("cpu"))
 print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
 """], capture_output=True, text=True, check=True).stdout
     assert int(grown) < 64 * 1024  # KiB
