@@ -19,7 +19,8 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 
-def fused_on_cuda(fn: F | None = None, *, dynamic: bool | None = None):
+def fused_on_cuda(fn: F | None = None, *,
+                  dynamic: bool | None = None) -> F | Callable[[F], F]:
     """`fn`, compiled when its first argument is a CUDA tensor (once per shape family), except
     in inference mode: drafting (evaluation) changes shapes with every accepted chain and has no
     backward to save memory for. The compiler is only imported when first used: CPU processes
