@@ -412,9 +412,6 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     max_new = args.max_new_tokens or cfg.eval.max_new_tokens
     device = pick_device(cfg.target.device)
     torch.set_num_threads(cfg.train.threads or torch.get_num_threads())
-    # float32: verifying k+1 drafted tokens in one forward must pick exactly the tokens that k+1
-    # one-token forwards pick; in bf16 the two round differently and near-ties flip (seen on an
-    # H200). On CPU it is also the fast path for GGUF weights.
     if device == "cpu":
         # Rows of different lengths share a batch (an attention mask): transformers then copies
         # every KV head once per query head it serves before each SDPA call, the whole cache
@@ -422,6 +419,9 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         # that is faster: the demo's 42 prompts took 130 s instead of 193 (2026-12-03, 2-core
         # VM), the same tokens. Set for this process alone: it loads one target.
         os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
+    # float32: verifying k+1 drafted tokens in one forward must pick exactly the tokens that k+1
+    # one-token forwards pick; in bf16 the two round differently and near-ties flip (seen on an
+    # H200). On CPU it is also the fast path for GGUF weights.
     target = load_model(cfg.target.model_path, "float32", device)
     tokenizer = load_tokenizer(cfg.target.model_path)
     embed = target.get_input_embeddings().weight.detach().float().cpu()

@@ -176,7 +176,7 @@ def _causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
     return kv_idx <= q_idx
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def causal_block_mask(T: int, device: torch.device) -> BlockMask:
     """_causal's blocks, listed from the pattern (T a multiple of FLEX_TILE): query tile i
     sees key tiles 0..i-1 whole and tile i in part. create_block_mask finds the same blocks by
