@@ -103,9 +103,11 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int,
     return [shuffled[rank::world] for rank in range(world)]
 
 
-def read_batch(paths: list[Path], planned: Planned, pin: bool = False) -> StoredBatch:
+def read_batch(paths: list[Path], planned: Planned, pin: bool = False,
+               answers_only: bool = True) -> StoredBatch:
     """Read the batch's samples (lazily, only their bytes) and pad them to a common length, in
-    host memory (pinned with `pin`)."""
+    host memory (pinned with `pin`). The loss counts where the next token is an answer's
+    (loss-masked), or at every position but the last without `answers_only`."""
     rows = []
     for i in planned.indices:
         with safe_open(str(paths[i]), framework="pt") as f:
@@ -124,27 +126,27 @@ def read_batch(paths: list[Path], planned: Planned, pin: bool = False) -> Stored
         for k in state_names:
             states[k][b, :n] = r[k]
         if planned.trained:
-            # Index t's teacher predicts token t+1: it counts when that token is loss-masked.
-            targets[b, :n - 1] = r[LOSS_MASK][1:].bool()
+            # Index t's teacher predicts token t+1: it counts when that token is learned.
+            targets[b, :n - 1] = r[LOSS_MASK][1:].bool() if answers_only else True
     tokens = sum(r[INPUT_IDS].shape[0] for r in rows) if planned.trained else 0
     return StoredBatch(input_ids, states, targets, tokens)
 
 
 def batches(paths: list[Path], plan: Iterable[Planned], device: torch.device,
-            prefetch: int | None = None) -> Iterator[Batch]:
-    """The planned batches on `device`, in order, `prefetch` of them read ahead in a background
-    thread (default: PREFETCH on CUDA, into pinned memory; none on CPU)."""
+            prefetch: int | None = None, answers_only: bool = True) -> Iterator[Batch]:
+    """The planned batches on `device`, in order (read_batch's), `prefetch` of them read ahead
+    in a background thread (default: PREFETCH on CUDA, into pinned memory; none on CPU)."""
     cuda = device.type == "cuda"
     prefetch = (PREFETCH if cuda else 0) if prefetch is None else prefetch
     if prefetch == 0:
         for planned in plan:
-            yield read_batch(paths, planned, pin=cuda).to(device)
+            yield read_batch(paths, planned, cuda, answers_only).to(device)
         return
     # safetensors and torch's copies release the GIL: the reads overlap the GPU's work.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="eagle3d-data") as pool:
         ahead: list[Future[Batch]] = []
         for planned in plan:
-            ahead.append(pool.submit(read_batch, paths, planned, cuda))
+            ahead.append(pool.submit(read_batch, paths, planned, cuda, answers_only))
             if len(ahead) > prefetch:
                 yield ahead.pop(0).result().to(device)
         for future in ahead:

@@ -67,6 +67,10 @@ def init_runtime(cfg: Config) -> Runtime:
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     kind = pick_device(cfg.train.device)
     if kind == "cuda":
+        # Minutes of compiling that a restarted or resumed trainer then skips.
+        cache = layout.compile_cache_dir(cfg.paths.train_dir)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        os.environ.setdefault("TRITON_CACHE_DIR", str(cache / "triton"))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     else:
@@ -371,7 +375,8 @@ def train_loop(run: Run) -> bool:
     stop = Stop()
     reporter = Reporter(cfg.train.ttt_steps, run.total, run.step,
                         layout.metrics_file(run.dir) if rt.main else None, run.progress)
-    loader = data.batches(run.paths, upcoming(run), rt.device)
+    loader = data.batches(run.paths, upcoming(run), rt.device,
+                          answers_only=cfg.train.loss_on == "answers")
     pending: StepFigures | None = None  # the step before, not yet reported
     try:
         while run.step < run.total:

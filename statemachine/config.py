@@ -33,6 +33,8 @@ DUMP_DTYPES = (*DTYPES, FP8)
 ENGINES = ("transformers", "sglang")
 FORMATS = ("auto", "sharegpt", "messages")
 RESPONSES = ("dataset", "target")
+# Where the drafter learns the target's next token: after answer tokens only, or everywhere.
+LOSS_ON = ("answers", "all")
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3,
                "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2,
@@ -146,6 +148,7 @@ class TrainConfig(NamedTuple):
     draft_vocab: int = 32000
     intermediate_size: int = 0  # the drafter's MLP width; 0: the target's
     ttt_steps: int = 7
+    loss_on: str = "answers"  # LOSS_ON
     epochs: float = 1.0
     max_steps: int = 0  # 0: as many as the epochs need
     batch_tokens: int = 4096
@@ -447,7 +450,7 @@ def parse_config(raw: dict, path: Path) -> Config:
         "rendezvous": _rendezvous,
         "device": _typed(str, choices=("auto", "cpu", "cuda")), "draft_vocab": _POS_INT,
         "intermediate_size": _NONNEG_INT, "ttt_steps": _typed(int, minimum=1, maximum=32),
-        "epochs": _POS_FLOAT,
+        "loss_on": _typed(str, choices=LOSS_ON), "epochs": _POS_FLOAT,
         "max_steps": _NONNEG_INT, "batch_tokens": _POS_INT, "lr": _POS_FLOAT,
         "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
         "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,

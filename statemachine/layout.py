@@ -110,3 +110,9 @@ def metrics_plot(train_dir: Path) -> Path:
 def vocab_file(train_dir: Path) -> Path:
     """The draft vocabulary (drafter/vocab.py)."""
     return Path(train_dir) / "vocab.safetensors"
+
+
+def compile_cache_dir(train_dir: Path) -> Path:
+    """torch.compile's kernels for the trainer on CUDA (drafter/train.py): beside the checkpoints,
+    so that a resumed trainer finds them where the service's private /tmp has been emptied."""
+    return Path(train_dir) / "compile-cache"

@@ -30,6 +30,8 @@ BAD = [
      "[extract.dump_dtype] must be one of 'float32', 'bfloat16', 'float16', 'float8_e4m3fn'"),
     ("bad layers", {"target": {"aux_layers": [15, 2, 27]}}, "[target.aux_layers] layer ids must be increasing"),
     ("zero limit", {"data": {"limit": 0}}, "[data.limit] must be at least 1"),
+    ("loss on prompts", {"train": {"loss_on": "prompts"}},
+     "[train.loss_on] must be one of 'answers', 'all'"),
     ("bool for int", {"train": {"nproc": True}}, "[train.nproc] expected int"),
     ("inflight below max_tokens", {"extract": {"max_inflight_tokens": 100}},
      "[extract.max_inflight_tokens] must be at least [data] max_tokens"),

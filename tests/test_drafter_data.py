@@ -75,3 +75,18 @@ def test_batches_come_in_plan_order_with_or_without_prefetch(samples, prefetch):
         assert batch.tokens == want.tokens == sum(lengths[i] for i in planned.indices)
         assert torch.equal(batch.input_ids, want.input_ids)
         assert torch.equal(batch.targets, want.targets)
+
+
+def test_loss_on_every_position_counts_all_but_each_rows_last_and_never_padding(samples):
+    """[train] loss_on = "all": the drafter learns the target's next token after prompt tokens
+    too; padding and a row's last token (no next token) never count."""
+    paths, lengths = samples
+    planned = data.Planned(tuple(range(4)))
+    answers = data.read_batch(paths, planned)
+    every = data.read_batch(paths, planned, answers_only=False)
+    assert every.tokens == answers.tokens
+    for b, i in enumerate(planned.indices):
+        n = lengths[i]
+        assert every.targets[b, :n - 1].all() and not every.targets[b, n - 1:].any()
+    assert answers.targets.sum() < every.targets.sum()
+    assert not (answers.targets & ~every.targets).any()
