@@ -26,6 +26,7 @@ DEMO = tomllib.loads((Path(__file__).resolve().parents[1] / "etc" / "demo.toml")
 
 @pytest.mark.slow
 @pytest.mark.long
+@pytest.mark.timeout(1800)  # the demo's training and evaluation: ~15 min on 2 idle cores
 def test_demo_sized_drafter_accepts_more_than_one_token_and_keeps_greedy_output(tmp_path):
     data_root = cached_dataset(200, 0, 1024)
     config = write_config(tmp_path, data_root, DEMO["train"], DEMO["eval"], max_tokens=1024)
