@@ -186,6 +186,12 @@ def render_status(st: dict[str, Any]) -> str:
                      (f": {e['problem']}" if e.get("problem") else ""))
     if trainer:
         parts = [trainer.get("status", "idle")]
+        early = trainer.get("before_first_step")
+        if early:
+            waited = time.time() - early["since"] if early.get("since") else None
+            parts.append(f"{early['status']} for {_human_s(waited)}" + (
+                " (the first step: on a GPU the fused kernels compile, a minute or more the "
+                "first time)" if early["status"] == "starting" else ""))
         if "loss" in trainer:
             parts.append(f"loss {trainer['loss']:.3f}")
         if trainer.get("acc"):

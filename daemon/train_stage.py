@@ -144,6 +144,10 @@ class TrainStage:
         out: dict[str, Any] = {"status": self.phase, "restarts": self.restarts}
         if self.child is not None:
             out["pid"] = self.child.pid
+            if self.phase == "training" and progress.get("status") in (train_files.LOADING,
+                                                                        train_files.STARTING):
+                out["before_first_step"] = {"status": progress["status"],
+                                            "since": progress.get("since")}
         for key in ("step", "total_steps", "epoch", "loss", "acc", "tokens_per_s", "eta_s"):
             if key in progress:
                 out[key] = progress[key]

@@ -79,7 +79,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        return _rms_norm(x, self.weight, self.eps)
+        # As rows: [B, T, H] and the picked [n, H] then share one compiled kernel.
+        return _rms_norm(x.flatten(0, -2), self.weight, self.eps).view(x.shape)
 
 
 @fused_on_cuda
@@ -115,28 +116,89 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 def _grouped(t: Tensor, kv_heads: int) -> Tensor:
-    """[B, heads, T, D] as [B, kv_heads, heads / kv_heads, T, D]: each query head beside the
+    """[B, heads, T, ...] as [B, kv_heads, heads / kv_heads, T, ...]: each query head beside the
     others that share its key head, without repeating the keys."""
-    B, heads, T, D = t.shape
-    return t.view(B, kv_heads, heads // kv_heads, T, D)
+    return t.unflatten(1, (kv_heads, -1))
 
 
-@fused_on_cuda(dynamic=True)  # one kernel per number of drafts, any length
-def _merge_drafts(q: Tensor, out: Tensor, lse: Tensor, keys: list[Tensor],
-                  values: list[Tensor], scale: float) -> Tensor:
-    """Attention over the context (`out`, its log-sum-exp `lse` [B, heads, T]) extended by one
-    key per query for each draft, [B, kv_heads, T, D] each: one softmax over all of them."""
-    kv_heads = keys[0].shape[1]
-    qg = _grouped(q, kv_heads).float()
-    scores = [_grouped(lse[..., None], kv_heads)[..., 0]]
-    scores += [(qg * k.float()[:, :, None]).sum(-1) * scale for k in keys]
-    top = torch.stack(scores).amax(0)
-    weights = [torch.exp(s - top)[..., None] for s in scores]
-    total = weights[0] * _grouped(out, kv_heads).float()
-    for w, v in zip(weights[1:], values):
-        total = total + w * v.float()[:, :, None]
-    merged = total / sum(weights)
-    return merged.view(out.shape).to(out.dtype)
+@fused_on_cuda
+def _join_draft(merged: Tensor, lse: Tensor, q: Tensor, k: Tensor, v: Tensor,
+                scale: float) -> tuple[Tensor, Tensor]:
+    """One step of an online softmax: attention `merged` (float32) over keys whose
+    log-sum-exp is `lse`, once one more key `k` per query and its value `v` join them. Grouped
+    heads: q and merged [B, kv_heads, group, T, D], lse [B, kv_heads, group, T, 1], k and v
+    [B, kv_heads, T, D]."""
+    s = (q.float() * k.float()[:, :, None]).sum(-1, keepdim=True) * scale
+    total = torch.logaddexp(lse, s)
+    return merged * torch.exp(lse - total) + torch.exp(s - total) * v.float()[:, :, None], total
+
+
+@fused_on_cuda
+def _context_grads(grad: Tensor, out: Tensor, merged: Tensor, lse: Tensor,
+                   total: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The gradients of the context's attention `out` and of its log-sum-exp `lse`, and
+    grad . merged, which every key's gradient subtracts (softmax's Jacobian)."""
+    g = grad.float()
+    through = (g * merged.float()).sum(-1, keepdim=True)
+    p = torch.exp(lse - total)
+    return (p * g).to(out.dtype), p * ((g * out.float()).sum(-1, keepdim=True) - through), \
+        through
+
+
+@fused_on_cuda
+def _draft_grads(dq: Tensor, grad: Tensor, through: Tensor, total: Tensor, q: Tensor,
+                 k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """One draft's share of the gradients: dq (float32) with its term added, and the draft's
+    own dk and dv, summed over the query heads of their group."""
+    g, qf, kf = grad.float(), q.float(), k.float()[:, :, None]
+    p = torch.exp((qf * kf).sum(-1, keepdim=True) * scale - total)
+    ds = p * ((g * v.float()[:, :, None]).sum(-1, keepdim=True) - through) * scale
+    return dq + ds * kf, (ds * qf).sum(2).to(k.dtype), (p * g).sum(2).to(v.dtype)
+
+
+class _DraftsMerge(torch.autograd.Function):
+    """with_drafts, one draft at a time in both directions: whatever the number of drafts (1
+    to TTT - 1), the same three fixed-signature kernels run. Compiled over a list instead, the
+    merge was one graph per list length: ~25 s of compiling each on an H200, minutes before a
+    TTT-7 trainer's first step. The backward recomputes each draft's scores from its keys
+    rather than keeping them, as flash attention does. A log-sum-exp is kept as [..., T, 1]:
+    every compiled kernel then has its features last (fusion.py)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, out: Tensor, lse: Tensor, scale: float,
+                *drafts: Tensor) -> Tensor:
+        kv_heads = drafts[0].shape[1]
+        # Fresh and contiguous, as every later join's inputs are: the first join takes the
+        # same compiled graph.
+        qg, merged, total = _grouped(q, kv_heads), *(
+            _grouped(t, kv_heads).to(torch.float32, memory_format=torch.contiguous_format,
+                                     copy=True) for t in (out, lse[..., None]))
+        for k, v in zip(drafts[::2], drafts[1::2]):
+            merged, total = _join_draft(merged, total, qg, k, v, scale)
+        # Laid out as [B, T, heads, D], where o_proj's input then is a view of it: the tensor
+        # kept for this backward is the one o_proj keeps, not a second copy.
+        B, heads, T, D = out.shape
+        result = out.new_empty(B, T, heads, D).transpose(1, 2)
+        result.copy_(merged.flatten(1, 2))
+        ctx.scale = scale
+        ctx.save_for_backward(q, out, lse, result, total, *drafts)
+        return result
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        q, out, lse, result, total, *drafts = ctx.saved_tensors
+        kv_heads = drafts[0].shape[1]
+        g, qg = _grouped(grad, kv_heads), _grouped(q, kv_heads)
+        d_out, d_lse, through = _context_grads(g, _grouped(out, kv_heads),
+                                               _grouped(result, kv_heads),
+                                               _grouped(lse[..., None], kv_heads).float(), total)
+        dq = torch.zeros(qg.shape, dtype=torch.float32, device=q.device)
+        d_drafts: list[Tensor] = []
+        for k, v in zip(drafts[::2], drafts[1::2]):
+            dq, dk, dv = _draft_grads(dq, g, through, total, qg, k, v, ctx.scale)
+            d_drafts += [dk, dv]
+        return (dq.flatten(1, 2).to(q.dtype), d_out.flatten(1, 2),
+                d_lse.flatten(1, 2)[..., 0].to(lse.dtype), None, *d_drafts)
 
 
 def with_drafts(q: Tensor, out: Tensor, lse: Tensor, drafts: list[KV], scale: float) -> Tensor:
@@ -145,7 +207,7 @@ def with_drafts(q: Tensor, out: Tensor, lse: Tensor, drafts: list[KV], scale: fl
     drafts are one key per query: a dot product each, not attention blocks."""
     if not drafts:
         return out
-    return _merge_drafts(q, out, lse, [k for k, _ in drafts], [v for _, v in drafts], scale)
+    return _DraftsMerge.apply(q, out, lse, scale, *[t for kv in drafts for t in kv])
 
 
 def dense_attention(q: Tensor, context: KV, drafts: list[KV], scale: float,

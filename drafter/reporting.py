@@ -83,6 +83,8 @@ class Reporter:
         self.started, self.started_step, self.last_log = time.monotonic(), started_step, 0.0
         self.metrics = open(metrics_path, "a") if metrics_path is not None else None
         self.progress = progress
+        if progress is not None:
+            progress.write(train_files.STARTING, step=started_step)
 
     def report(self, figures: StepFigures) -> bool:
         """Writes the step's figures; whether a rank asked to stop by then."""

@@ -18,8 +18,11 @@ from typing import Any
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
-# progress.json's `status`, in the order a run goes through them.
-LOADING, TRAINING, EXPORTING, DONE = "loading", "training", "exporting", "done"
+# progress.json's `status`, in the order a run goes through them. "starting" is the wait for
+# the first step's figures: on CUDA, torch.compile building the fused kernels (a minute or more
+# from an empty compile cache), which would otherwise read as a trainer stuck at step 0.
+LOADING, STARTING, TRAINING, EXPORTING, DONE = "loading", "starting", "training", "exporting", \
+    "done"
 
 
 def _read(path: Path) -> dict[str, Any] | None:
@@ -36,21 +39,24 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 class ProgressWriter:
     """The trainer's end of `progress.json`, rewritten at most once a second (and at every
-    change of status)."""
+    change of status); `since` is the wall-clock time the status began."""
 
     def __init__(self, train_dir: Path, fingerprint: str, total_steps: int = 0) -> None:
         self.path, self.fingerprint, self.total_steps = layout.progress_file(train_dir), \
             fingerprint, total_steps
-        self.last_write = 0.0
+        self.last_write, self.status, self.since = 0.0, "", 0.0
 
     def write(self, status: str, force: bool = True, **fields: Any) -> None:
         now = time.monotonic()
+        if status != self.status:
+            self.status, self.since, force = status, time.time(), True
         if not force and now - self.last_write < 1.0:
             return
         self.last_write = now
-        _write(self.path, {"status": status, "step": 0, "total_steps": self.total_steps,
-                           "epoch": 0, "loss": None, "acc": [], "tokens_per_s": 0.0,
-                           "eta_s": None, "manifest_fingerprint": self.fingerprint, **fields})
+        _write(self.path, {"status": status, "since": self.since, "step": 0,
+                           "total_steps": self.total_steps, "epoch": 0, "loss": None, "acc": [],
+                           "tokens_per_s": 0.0, "eta_s": None,
+                           "manifest_fingerprint": self.fingerprint, **fields})
 
 
 def read_progress(train_dir: Path) -> dict[str, Any]:

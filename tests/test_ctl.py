@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from eagle3d.statemachine import layout
+from eagle3d.statemachine.statefile import write_state
 from tests.conftest import venv_bin, write_conversations
 
 
@@ -56,6 +57,22 @@ def test_status_without_a_daemon_says_not_running(config_factory):
     assert set(st["samples"]) >= {"total", "pending", "inflight", "extracted", "verified",
                                   "failed", "excluded"}
     assert "not running" in ctl(config, "pause").stderr
+
+
+def test_status_says_how_long_the_trainer_has_waited_for_its_first_step(config_factory):
+    """On a GPU the first training step waits a minute or more for the fused kernels to
+    compile: status must say so, not show a trainer frozen at step 0."""
+    import tomllib
+    config = config_factory()
+    state_dir = Path(tomllib.loads(config.read_text())["paths"]["state_dir"])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    write_state(state_dir, {"stage": "train", "reason": "training", "trainer": {
+        "status": "training", "step": 0, "total_steps": 900, "pid": os.getpid(),
+        "before_first_step": {"status": "starting", "since": time.time() - 95}}})
+    shown = ctl(config, "status").stdout
+    assert "training step 0/900" in shown
+    assert "trainer   training · starting for 1m 3" in shown, shown
+    assert "fused kernels compile" in shown
 
 
 def test_control_requests_against_a_running_daemon(tmp_path, config_factory):

@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from typing import Callable
 
 import torch
 
@@ -96,8 +97,8 @@ def test_training_time_test_sees_what_chain_drafting_sees():
                 torch.testing.assert_close(feature[0, 0], outs[k][0, t], atol=1e-5, rtol=1e-5)
 
 
-def _attention_inputs(drafts: int, T: int, Tc: int, grad: bool = False):
-    B, heads, kv_heads, D = 2, 4, 2, 16
+def _attention_inputs(drafts: int, T: int, Tc: int, grad: bool = False, B: int = 2):
+    heads, kv_heads, D = 4, 2, 16
     q = torch.randn(B, heads, T, D, requires_grad=grad)
     context, *others = [(torch.randn(B, kv_heads, n, D, requires_grad=grad),
                          torch.randn(B, kv_heads, n, D, requires_grad=grad))
@@ -133,6 +134,52 @@ def test_drafts_merged_into_the_context_attention_give_one_softmax_and_its_gradi
     for got, expected in zip(torch.autograd.grad(merged, leaves, g),
                              torch.autograd.grad(want, leaves, g)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+class _Graphs:
+    """A compiler backend that counts the graphs it is given and records, for every tensor
+    they take, which of its sizes were left symbolic."""
+
+    def __init__(self) -> None:
+        self.count, self.symbolic = 0, []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.count += 1
+        for node in gm.graph.find_nodes(op="placeholder"):
+            value = node.meta.get("example_value")
+            if isinstance(value, torch.Tensor):
+                self.symbolic.append(tuple(not isinstance(n, int) for n in value.shape))
+        return gm.forward
+
+
+def test_the_merge_compiles_once_for_any_number_of_drafts_rows_and_length(monkeypatch):
+    """On CUDA every fused kernel is compiled, tens of seconds each on an H200: a TTT-7 trainer
+    merges 1 to 6 drafts into batches whose rows and lengths change at every step, and a
+    kernel compiled per draft count (or per size it first saw) kept it from its first step for
+    minutes. Compiled here by the real compiler on the CPU, each of the merge's kernels must
+    make one graph, forward and backward, whatever the drafts, rows and lengths; and in it the
+    feature sizes stay fixed (reductions over a known size ran 6.5% faster on an H200)."""
+    import torch.fx.experimental._config as shapes
+
+    from eagle3d.drafter import model
+    from eagle3d.drafter.fusion import compiled_for_any_sizes
+    graphs = {}
+    with shapes.patch(use_duck_shape=shapes.use_duck_shape):  # the process's, restored after
+        torch._dynamo.reset()
+        for name in ("_join_draft", "_context_grads", "_draft_grads"):
+            graphs[name] = _Graphs()
+            monkeypatch.setattr(model, name, compiled_for_any_sizes(
+                getattr(model, name).__wrapped__, backend=graphs[name]))
+        for rows, T, drafts in [(2, 5, 1), (2, 5, 2), (3, 9, 4), (2, 7, 6), (5, 6, 3)]:
+            q, context, others = _attention_inputs(drafts, T=T, Tc=T, grad=True, B=rows)
+            lse = _context_log_sum_exp(q, context, 0.25, torch.ones(rows, T, dtype=torch.bool))
+            merged = with_drafts(q, dense_attention(q, context, [], 0.25), lse, others, 0.25)
+            merged.sum().backward()
+        torch._dynamo.reset()
+    assert {name: g.count for name, g in graphs.items()} == dict.fromkeys(graphs, 1)
+    for name, g in graphs.items():
+        batched = [s for s in g.symbolic if len(s) >= 4]
+        assert batched and all(s[0] and s[-2] and not s[-1] for s in batched), (name, g.symbolic)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
