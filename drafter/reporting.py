@@ -80,7 +80,10 @@ class Reporter:
                  metrics_path: Path | None, progress: train_files.ProgressWriter | None) -> None:
         self.ttt_steps, self.total = ttt_steps, total
         self.recent = RecentRate()
-        self.started, self.started_step, self.last_log = time.monotonic(), started_step, 0.0
+        self.last_log = 0.0
+        # The pace the ETA projects is counted from the first step reported: the wait for it
+        # (on CUDA the kernels compile, a minute or more) would make the early ETAs hours long.
+        self.first: tuple[float, int] | None = None
         self.metrics = open(metrics_path, "a") if metrics_path is not None else None
         self.progress = progress
         if progress is not None:
@@ -102,12 +105,15 @@ class Reporter:
                    "lr": figures.lr}
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
-            rate = (now - self.started) / max(figures.step - self.started_step, 1)
+            if self.first is None:
+                self.first = (now, figures.step)
+            since, step = self.first
+            eta = ((now - since) / (figures.step - step) * (self.total - figures.step)
+                   if figures.step > step else None)
             last = figures.step == self.total
             self.progress.write(train_files.TRAINING, force=last, step=figures.step,
                                 epoch=figures.epoch, loss=weighted, acc=acc,
-                                tokens_per_s=tokens_per_s,
-                                eta_s=rate * (self.total - figures.step))
+                                tokens_per_s=tokens_per_s, eta_s=eta)
             if now - self.last_log > 10 or last:
                 self.last_log = now
                 log.info("step %d/%d loss %.3f acc %s %.0f tok/s", figures.step, self.total,

@@ -317,3 +317,33 @@ def test_the_reported_rate_holds_steady_through_one_slow_step_and_follows_a_last
     assert steps(1, 1.0) > 8_000
     # A slowdown that lasts is reported once the window has moved past the old pace.
     assert steps(100, 0.2) == pytest.approx(5_000, rel=0.05)
+
+
+def test_the_eta_counts_the_pace_after_the_first_step_not_the_wait_for_it(tmp_path):
+    """On CUDA the first step waits a minute or more for the kernels to compile: an ETA that
+    spreads that wait over the steps done would read hours too long for the first minutes.
+    Before the first step status says the trainer is starting; after it, no ETA until a
+    pace exists."""
+    import torch
+
+    from eagle3d.drafter.reporting import Reporter, StepFigures
+    from eagle3d.statemachine import train_files
+    progress = train_files.ProgressWriter(tmp_path, "fp", total_steps=100)
+    reporter = Reporter(1, 100, 0, tmp_path / "metrics.jsonl", progress)
+    assert train_files.read_progress(tmp_path)["status"] == train_files.STARTING
+    one = torch.ones(1)
+
+    def report(step: int) -> dict:
+        reporter.report(StepFigures.send(torch.device("cpu"), 1, step, step / 100, 1e-3,
+                                         time.monotonic(), one, one, one, 1000, False))
+        progress.last_write = 0.0  # the writer's once-a-second limit: every step read here
+        return train_files.read_progress(tmp_path)
+
+    time.sleep(2.0)  # the first step, compiling
+    assert report(1)["eta_s"] is None
+    for step in range(2, 12):
+        shown = report(step)
+        time.sleep(0.01)
+    # 10 steps in ~0.1 s: ~0.9 s for the 89 left; counted from the start, ~16 s.
+    assert shown["status"] == train_files.TRAINING and shown["eta_s"] < 8.0
+    reporter.close()
