@@ -23,12 +23,12 @@ def compiled_for_any_sizes(fn: F, backend: str | Callable = "inductor") -> F:
     """`fn` compiled for any batch rows and lengths from its first call, its features' sizes
     fixed. Training batches change their rows and lengths at every step: a graph compiled for
     the first batch's sizes (tens of seconds on an H200) would be replaced at the second. The
-    features (every tensor's last dimension: hidden size, head size, draft vocabulary) never
-    change, and a reduction over a size known when compiling runs faster: compiled with every
-    size unknown, the Kimi-K2.5-sized draft trained 6.5% slower. Sizes equal in the first call
-    are not taken to be equal ever after ("duck" sizing): a batch of 2 rows beside 2 key heads
-    would otherwise compile once more when the rows change. Sizes 0 and 1 stay special (a batch
-    of one row compiles its own graph)."""
+    features (the last dimension of each tensor argument of two or more dimensions: hidden
+    size, head size, draft vocabulary) never change, and a reduction over a size known when
+    compiling runs faster: compiled with every size unknown, the Kimi-K2.5-sized draft trained
+    6.5% slower. Sizes equal in the first call are not taken to be equal ever after ("duck"
+    sizing): a batch of 2 rows beside 2 key heads would otherwise compile once more when the
+    rows change. Sizes 0 and 1 stay special (a batch of one row compiles its own graph)."""
     import torch.fx.experimental._config as shapes
     shapes.use_duck_shape = False
     compiled = torch.compile(fn, dynamic=True, backend=backend)
