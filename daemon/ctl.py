@@ -191,7 +191,7 @@ def render_status(st: dict[str, Any]) -> str:
             waited = time.time() - early["since"] if early.get("since") else None
             parts.append(f"{early['status']} for {_human_s(waited)}" + (
                 " (the first step: on a GPU the fused kernels compile, a minute or more the "
-                "first time)" if early["status"] == "starting" else ""))
+                "first time)" if early["status"] == train_files.STARTING else ""))
         if "loss" in trainer:
             parts.append(f"loss {trainer['loss']:.3f}")
         if trainer.get("acc"):
