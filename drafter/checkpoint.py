@@ -45,10 +45,13 @@ def _complete(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any]) -> dict[str, Any] | None:
-    """The newest checkpoint made from this manifest for a drafter of this shape, or None. A
-    checkpoint of another manifest or shape (the [train] keys that size the drafter changed) is
-    not resumed: training starts over, and says so."""
+def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any],
+           weights: dict[str, torch.Size]) -> dict[str, Any] | None:
+    """The newest checkpoint made from this manifest for a drafter of this shape, holding
+    `weights` (names and sizes: the model's own layout), or None. A checkpoint of another
+    manifest or shape (the [train] keys that size the drafter changed) or made by a version of
+    eagle3d that laid the weights out otherwise is not resumed: training starts over, and says
+    so."""
     folder = Path(folder)
     complete = _complete(folder) if folder.is_dir() else []
     if not complete:
@@ -62,5 +65,11 @@ def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any]) -> dict
     if state.get("draft_config") != draft_config:
         log.warning("checkpoint %s holds a drafter of another shape (%s, now %s); starting "
                     "over", path, state.get("draft_config"), draft_config)
+        return None
+    held = {name: t.shape for name, t in state["model"].items()}
+    if held != weights:
+        log.warning("checkpoint %s lays the drafter's weights out otherwise (an earlier "
+                    "eagle3d: %s, now %s); starting over", path, sorted(set(held) - set(weights)),
+                    sorted(set(weights) - set(held)))
         return None
     return state

@@ -65,8 +65,8 @@ def sglang_config(cfg: DraftConfig, contract_layer_ids: list[int],
 
 
 def export_tensors(model: Eagle3Drafter, vocab: DraftVocab) -> dict[str, torch.Tensor]:
-    tensors = {name: p.detach().to("cpu", torch.bfloat16).contiguous()
-               for name, p in model.named_parameters()}
+    tensors = {name: w.to("cpu", torch.bfloat16).contiguous()
+               for name, w in model.served_weights().items()}
     tensors["d2t"] = vocab.d2t.to(torch.int64).contiguous()
     tensors["t2d"] = vocab.t2d.to(torch.bool).contiguous()
     return tensors
@@ -115,5 +115,5 @@ def load_export(export_dir: Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Dra
     tensors = load_file(str(Path(export_dir) / WEIGHTS))
     vocab = DraftVocab(d2t=tensors.pop("d2t"), t2d=tensors.pop("t2d"))
     model = Eagle3Drafter(cfg, embed_tokens)
-    model.load_state_dict({k: v.float() for k, v in tensors.items()}, strict=True)
+    model.load_served_weights({k: v.float() for k, v in tensors.items()})
     return model.eval(), vocab, config

@@ -27,6 +27,9 @@ from eagle3d.drafter.fusion import fused_on_cuda
 from eagle3d.drafter.loss import Teacher, soft_cross_entropy
 
 KV = tuple[Tensor, Tensor]  # keys and values, [B, kv_heads, T, head_dim]
+# The attention's input projections as this model holds them, and as SGLang does.
+QKV_HALVES = tuple(f"midlayer.self_attn.qkv_{half}.weight" for half in ("tokens", "hidden"))
+SERVED_QKV = tuple(f"midlayer.self_attn.{p}_proj.weight" for p in "qkv")
 FLEX_TILE = 128  # flex attention's block size
 LOSS_DECAY = 0.8  # TTT step k weighs LOSS_DECAY**k: later drafts matter only if earlier ones hit
 
@@ -288,21 +291,34 @@ def attend(q: Tensor, context: KV, drafts: list[KV], scale: float,
 
 
 class Attention(nn.Module):
+    """q, k and v read [normed token embedding ; normed hidden feature], 2·H features, through
+    two projections, one per half, each giving q, k and v side by side: their sum is what
+    SGLang's q_proj, k_proj and v_proj compute from the whole input (Eagle3Drafter's
+    served_weights joins them). Apart, the embedding's share is projected once per unroll: TTT
+    step k reads the tokens step 0 read, k positions on, so its share is step 0's moved by k
+    rather than made again at every step (at the Kimi-K2.5 shape, TTT 7, 14% of a training
+    step's FLOPs; bench/gpu_train.py train_flops)."""
+
     def __init__(self, cfg: DraftConfig) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                     cfg.num_key_value_heads, cfg.head_dim)
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.widths = [n * self.head_dim for n in (self.heads, self.kv_heads, self.kv_heads)]
+        self.qkv_tokens = nn.Linear(cfg.hidden_size, sum(self.widths), bias=False)
+        self.qkv_hidden = nn.Linear(cfg.hidden_size, sum(self.widths), bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, context: KV | None,
-                drafts: list[KV] | None, key_mask: Tensor | None = None) -> tuple[Tensor, KV]:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
+    def forward(self, tokens: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+                context: KV | None, drafts: list[KV] | None,
+                key_mask: Tensor | None = None) -> tuple[Tensor, KV]:
+        """`tokens`: qkv_tokens of the normed embeddings, for as many leading positions as
+        have a token to read (the last TTT steps run past the sequence's end, where nothing is
+        learnt); `hidden`: the normed feature at every position."""
+        B, T, _ = hidden.shape
+        qkv = self.qkv_hidden(hidden)
+        qkv[:, :tokens.shape[1]] += tokens
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)).transpose(1, 2)
+                   for t in qkv.split(self.widths, dim=-1))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if drafts is None:  # real positions: they join the context
             context, drafts = ((k, v) if context is None else
@@ -313,6 +329,17 @@ class Attention(nn.Module):
         out = attend(q, context, drafts, 1.0 / math.sqrt(self.head_dim), key_mask)
         out = out.transpose(1, 2).reshape(B, T, self.heads * self.head_dim)
         return self.o_proj(out), (k, v)
+
+    def joined(self, tokens: Tensor, hidden: Tensor) -> list[Tensor]:
+        """qkv_tokens' and qkv_hidden's weights as q_proj's, k_proj's and v_proj's: [out, 2·H],
+        the embedding's columns first."""
+        return [torch.cat(pair, dim=1) for pair in zip(tokens.split(self.widths),
+                                                       hidden.split(self.widths))]
+
+    def halves(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """joined's inverse."""
+        tokens, hidden = torch.cat([q, k, v]).chunk(2, dim=1)
+        return tokens, hidden
 
 
 class MLP(nn.Module):
@@ -343,11 +370,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, embeds: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
+    def tokens(self, embeds: Tensor) -> Tensor:
+        """The token embeddings' share of the attention's q, k and v (Attention)."""
+        return self.self_attn.qkv_tokens(self.input_layernorm(embeds))
+
+    def forward(self, tokens: Tensor, hidden: Tensor, cos: Tensor, sin: Tensor,
                 context: KV | None, drafts: list[KV] | None,
                 key_mask: Tensor | None = None) -> tuple[Tensor, KV]:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
-        attn, kv = self.self_attn(x, cos, sin, context, drafts, key_mask)
+        attn, kv = self.self_attn(tokens, self.hidden_norm(hidden), cos, sin, context, drafts,
+                                  key_mask)
         h = hidden + attn
         return h + self.mlp(self.post_attention_layernorm(h)), kv
 
@@ -376,12 +407,29 @@ class Eagle3Drafter(nn.Module):
         each row holds: for real positions the context's and these positions' own, for a draft
         step the context's. Returns the pre-norm output (the feature the next draft step reads)
         and this pass's keys and values."""
-        embeds = F.embedding(input_ids, self.embed_tokens).to(hidden.dtype)
         cos, sin = self.rotary(hidden, positions)
-        return self.midlayer(embeds, hidden, cos, sin, context, drafts, key_mask)
+        return self.midlayer(self.tokens(input_ids, hidden.dtype), hidden, cos, sin, context,
+                             drafts, key_mask)
+
+    def tokens(self, input_ids: Tensor, dtype: torch.dtype) -> Tensor:
+        return self.midlayer.tokens(F.embedding(input_ids, self.embed_tokens).to(dtype))
 
     def logits(self, out: Tensor) -> Tensor:
         return self.lm_head(self.norm(out))
+
+    def served_weights(self) -> dict[str, Tensor]:
+        """The trainable weights as SGLang's LlamaForCausalLMEagle3 names and holds them."""
+        weights = {name: p.detach() for name, p in self.named_parameters()}
+        halves = [weights.pop(name) for name in QKV_HALVES]
+        return weights | dict(zip(SERVED_QKV, self.midlayer.self_attn.joined(*halves)))
+
+    def load_served_weights(self, served: dict[str, Tensor]) -> None:
+        """served_weights' inverse: every weight named, nothing else."""
+        weights = dict(served)
+        whole = [weights.pop(name) for name in SERVED_QKV if name in weights]
+        if len(whole) == len(SERVED_QKV):
+            weights |= dict(zip(QKV_HALVES, self.midlayer.self_attn.halves(*whole)))
+        self.load_state_dict(weights, strict=True)
 
     def unroll(self, input_ids: Tensor, aux: Tensor, steps: int) -> list[Tensor]:
         """The training-time test: the pre-norm outputs of `steps` draft steps, [B, T, H] each.
@@ -393,13 +441,16 @@ class Eagle3Drafter(nn.Module):
         B, T = input_ids.shape
         positions = torch.arange(T, device=input_ids.device).expand(B, T)
         hidden = self.fc(aux)
+        # Index t reads token t+1+k at step k: step 0's tokens from index k on, none past the
+        # end (where no teacher is left to learn).
+        tokens = self.tokens(input_ids[:, 1:], hidden.dtype)
         context: KV | None = None
         drafts: list[KV] = []
         outs = []
         for k in range(steps):
-            ids = F.pad(input_ids[:, 1 + k:], (0, 1 + k))
-            hidden, kv = self.step(ids, hidden, positions + k, context,
-                                   None if k == 0 else drafts)
+            cos, sin = self.rotary(hidden, positions + k)
+            hidden, kv = self.midlayer(tokens[:, k:], hidden, cos, sin, context,
+                                       None if k == 0 else drafts)
             if k == 0:
                 context = kv
             else:

@@ -97,6 +97,55 @@ def test_training_time_test_sees_what_chain_drafting_sees():
                 torch.testing.assert_close(feature[0, 0], outs[k][0, t], atol=1e-5, rtol=1e-5)
 
 
+def test_the_unroll_learns_as_if_every_step_projected_its_own_tokens():
+    """The unroll projects the tokens once and moves them by k for step k; the gradients must be
+    those of projecting each step's tokens anew, as a chain of single steps does."""
+    T, steps = 14, 4
+    ids, aux = torch.randint(0, 50, (2, T)), torch.randn(2, T, 72)
+    targets = torch.rand(2, T) < 0.7
+    taught = teacher(torch.randn(2, T, 16), targets, torch.randn(20, 16), steps)
+
+    def grads(outs: list[torch.Tensor], model: Eagle3Drafter) -> dict[str, torch.Tensor]:
+        loss = sum(model.logits(o[p.batch, p.index]).logsumexp(-1).sum() * (k + 1)
+                   for k, (o, p) in enumerate(zip(outs, taught.picks)))
+        model.zero_grad()
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    model = tiny_model()
+    positions = torch.arange(T).expand(2, T)
+    hidden, context, drafts, outs = model.fc(aux), None, [], []
+    for k in range(steps):
+        hidden, kv = model.step(torch.nn.functional.pad(ids[:, 1 + k:], (0, 1 + k)), hidden,
+                                positions + k, context, None if k == 0 else drafts)
+        context, drafts = (kv, drafts) if k == 0 else (context, [*drafts, kv])
+        outs.append(hidden)
+    want = grads(outs, model)
+    got = grads(model.unroll(ids, aux, steps), model)
+    assert want["midlayer.self_attn.qkv_tokens.weight"].any()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_served_projections_compute_the_models_q_k_and_v():
+    """SGLang reads q_proj, k_proj and v_proj on [normed embedding ; normed hidden]; the model
+    holds one projection per half. The served weights must give the model's q, k and v."""
+    model = tiny_model()
+    layer, served = model.midlayer, model.served_weights()
+    embeds, hidden = torch.randn(3, 32), torch.randn(3, 32)
+    x = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
+    with torch.no_grad():
+        ours = layer.tokens(embeds) + layer.self_attn.qkv_hidden(layer.hidden_norm(hidden))
+        theirs = torch.cat([x @ served[f"midlayer.self_attn.{p}_proj.weight"].T for p in "qkv"],
+                           dim=-1)
+    torch.testing.assert_close(ours, theirs)
+    assert tuple(served["midlayer.self_attn.q_proj.weight"].shape) == (32, 64)
+    again = Eagle3Drafter(TINY, model.embed_tokens)
+    again.load_served_weights(served)
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(),
+                                                  model.state_dict().values()))
+
+
 def _attention_inputs(drafts: int, T: int, Tc: int, grad: bool = False, B: int = 2):
     heads, kv_heads, D = 4, 2, 16
     q = torch.randn(B, heads, T, D, requires_grad=grad)

@@ -127,6 +127,23 @@ def test_a_wider_drafter_starts_over_and_exports_its_width(tmp_path, data_root):
     assert exported["intermediate_size"] == 2048
 
 
+def test_a_checkpoint_of_an_earlier_weight_layout_is_not_resumed(tmp_path, caplog):
+    """A checkpoint from an eagle3d that held the attention's projections as SGLang does
+    (q_proj, k_proj, v_proj) cannot load into today's drafter: training starts over and says
+    why, rather than crashing at every restart."""
+    import torch
+    from eagle3d.drafter import checkpoint
+    shape = {"draft": 1}
+    now = {"midlayer.self_attn.qkv_tokens.weight": torch.Size([8, 4])}
+    checkpoint.save(tmp_path, 3, {"manifest_fingerprint": "m", "draft_config": shape,
+                                  "model": {"midlayer.self_attn.q_proj.weight": torch.zeros(4, 8)}})
+    assert checkpoint.latest(tmp_path, "m", shape, now) is None
+    assert "lays the drafter's weights out otherwise" in caplog.text
+    checkpoint.save(tmp_path, 4, {"manifest_fingerprint": "m", "draft_config": shape,
+                                  "model": {name: torch.zeros(size) for name, size in now.items()}})
+    assert checkpoint.latest(tmp_path, "m", shape, now)["model"].keys() == now.keys()
+
+
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_0(tmp_path, data_root):
     config = write_config(tmp_path, data_root, {**SMALL, "max_steps": 50,
