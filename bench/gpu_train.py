@@ -595,11 +595,12 @@ def main(argv: list[str] | None = None) -> int:
           + ("ours fed from batches held on the host as bf16 and as fp8 dumps store them, "
              "copied and decoded at every step" if args.compare_storage else
              f"SpecForge {args.specforge_backend if skipped is None else 'skipped'}"))
+    fewer = [1 - train_flops(shape, n, args.ttt, tokens_once=True)
+             / train_flops(shape, n, args.ttt) for n in seq_lens]
     print(f"MFU: the model's FLOPs per second (bench/gpu_train.py train_flops) over the bf16 "
           f"matmul peak measured here, {peak / 1e12:.3g} TFLOP/s; ours computes "
-          + ", ".join(f"{1 - train_flops(shape, n, args.ttt, tokens_once=True) / flops:.1%}"
-                      for n, flops in ((n, train_flops(shape, n, args.ttt)) for n in seq_lens))
-          + " fewer (the embeddings' share of q, k and v once per unroll, not per TTT step)")
+          f"{', '.join(f'{f:.1%}' for f in fewer)} fewer (the embeddings' share of q, k and v "
+          f"once per unroll, not per TTT step)")
     table(results, seq_lens, list(trainers), lambda n: train_flops(shape, n, args.ttt) / n / peak)
     if args.compare_storage:
         judge_storage(results, seq_lens)

@@ -46,12 +46,12 @@ def _complete(folder: Path) -> list[Path]:
 
 
 def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any],
-           weights: dict[str, torch.Size]) -> dict[str, Any] | None:
-    """The newest checkpoint made from this manifest for a drafter of this shape, holding
-    `weights` (names and sizes: the model's own layout), or None. A checkpoint of another
-    manifest or shape (the [train] keys that size the drafter changed) or made by a version of
-    eagle3d that laid the weights out otherwise is not resumed: training starts over, and says
-    so."""
+           model_state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
+    """The newest checkpoint made from this manifest for a drafter of this shape, holding the
+    weights `model_state` names, at its sizes (the model's own layout), or None. A checkpoint of
+    another manifest or shape (the [train] keys that size the drafter changed) or made by a
+    version of eagle3d that laid the weights out otherwise is not resumed: training starts
+    over, and says so."""
     folder = Path(folder)
     complete = _complete(folder) if folder.is_dir() else []
     if not complete:
@@ -66,7 +66,8 @@ def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any],
         log.warning("checkpoint %s holds a drafter of another shape (%s, now %s); starting "
                     "over", path, state.get("draft_config"), draft_config)
         return None
-    held = {name: t.shape for name, t in state["model"].items()}
+    held, weights = ({name: t.shape for name, t in tensors.items()}
+                     for tensors in (state["model"], model_state))
     if held != weights:
         log.warning("checkpoint %s lays the drafter's weights out otherwise (an earlier "
                     "eagle3d: %s, now %s); starting over", path, sorted(set(held) - set(weights)),

@@ -326,8 +326,7 @@ def resume(run: Run) -> None:
     """Continue from the last checkpoint of this manifest, if there is one."""
     rt = run.rt
     state = (checkpoint.latest(layout.checkpoint_dir(run.dir), run.fingerprint,
-                               run.model.cfg.to_dict(),
-                               {name: t.shape for name, t in run.model.state_dict().items()})
+                               run.model.cfg.to_dict(), run.model.state_dict())
              if rt.main else None)
     state = broadcast(rt, state)
     if state is not None:
