@@ -1,12 +1,17 @@
 """The EAGLE-3 training loss: the target's next-token distribution as the teacher, and a soft
 cross-entropy that keeps no float32 [rows, V] tensor for the backward.
 
-The teacher is kept as the target's logits over the draft vocabulary, only at the indices that
-count (loss-masked next tokens), computed once per batch and shared by every TTT step; each
-step picks the rows it learns and turns them into probabilities in the forward and again in the
-backward: inside fused kernels on CUDA, chunk by chunk on CPU. A plain
-`-(p * log_softmax(z)).sum()` keeps two float32 [rows, V] tensors alive per step for the
-backward, which at T = 4096 and V = 32,000 is 1 GB per step."""
+The teacher is kept as the target's log-probabilities over the draft vocabulary, only at the
+indices that count (loss-masked next tokens), computed once per batch and shared by every TTT
+step; each step picks the rows it learns. Its loss reads them and the drafter's logits once,
+in one fused kernel on CUDA (chunk by chunk on CPU), which also keeps the logits' log-sum-exp
+for the backward and counts the rows whose argmax agrees with the teacher's: the backward is
+then one more read. A plain `-(p * log_softmax(z)).sum()` keeps two float32 [rows, V] tensors
+alive per step for the backward, which at T = 4096 and V = 32,000 is 1 GB per step. Kept as
+logits, the teacher was normalised again in every step's forward and backward and an argmax read
+the logits once more: at the 8B shape, T = 8192, on an H200 the step's kernels took 286.3 ms,
+279.7 ms with the teacher kept normalised (`bench/gpu_train.py --profile`, one run of each).
+"""
 
 from __future__ import annotations
 
@@ -30,8 +35,7 @@ class Pick(NamedTuple):
 
 
 class Teacher(NamedTuple):
-    logits: Tensor     # [N, V_draft]: the target's logits at the N counted indices
-    top: Tensor        # [N]: their argmax, for the accuracy figure
+    log_probs: Tensor  # [N, V_draft]: the target's, at the N counted indices, in the head's dtype
     picks: list[Pick]  # per TTT step
     counts: Tensor     # [steps]: rows per step
 
@@ -57,7 +61,10 @@ def teacher(last: Tensor, targets: Tensor, head: Tensor, steps: int) -> Teacher:
     flat = sent(flat, last.device)
     b, u, *per_step, counts = flat.split([len(b), len(u), *(3 * len(r) for r in rows), steps])
     logits = last[b, u].to(head.dtype) @ head.T
-    return Teacher(logits, logits.argmax(-1), [Pick(*p.view(3, -1)) for p in per_step], counts)
+    # Rounded to the head's dtype, a log-probability is no further off than the logit it came
+    # from was, where it matters: |log p| is small for the tokens with any weight.
+    log_probs = torch.log_softmax(logits.float(), dim=-1).to(logits.dtype)
+    return Teacher(log_probs, [Pick(*p.view(3, -1)) for p in per_step], counts)
 
 
 def _rows_per_chunk(logits: Tensor) -> int:
@@ -68,41 +75,57 @@ def _rows_per_chunk(logits: Tensor) -> int:
 
 
 @fused_on_cuda
-def _row_losses(z: Tensor, teacher_logits: Tensor, rows: Tensor) -> Tensor:
-    z = z.float()
-    p = torch.softmax(teacher_logits[rows].float(), dim=-1)
-    return torch.logsumexp(z, dim=-1) - (p * z).sum(-1)
+def _row_losses(z: Tensor, teacher_log_probs: Tensor,
+                rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per row: the loss, the logits' log-sum-exp, and whether the argmaxes agree."""
+    t = teacher_log_probs[rows]
+    z32 = z.float()
+    lse = torch.logsumexp(z32, dim=-1)
+    return (lse - (torch.exp(t.float()) * z32).sum(-1), lse,
+            z.argmax(-1) == t.argmax(-1))
 
 
 @fused_on_cuda
-def _row_grads(z: Tensor, teacher_logits: Tensor, rows: Tensor, grad: Tensor) -> Tensor:
-    p = torch.softmax(teacher_logits[rows].float(), dim=-1)
-    return ((torch.softmax(z.float(), dim=-1) - p) * grad).to(z.dtype)
+def _row_grads(z: Tensor, lse: Tensor, teacher_log_probs: Tensor, rows: Tensor,
+               grad: Tensor) -> Tensor:
+    p = torch.exp(teacher_log_probs[rows].float())
+    return ((torch.exp(z.float() - lse[:, None]) - p) * grad).to(z.dtype)
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
-    """sum over rows of -sum_v p_v log softmax(z)_v = logsumexp(z) - p.z, with p =
-    softmax(teacher logits); the gradient is softmax(z) - p."""
+    """sum over rows of -sum_v p_v log softmax(z)_v = logsumexp(z) - p.z, with p the teacher's
+    probabilities; the gradient is softmax(z) - p. Also returns the count of rows whose argmax
+    is the teacher's (no gradient)."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, teacher_logits: Tensor, rows: Tensor) -> Tensor:
+    def forward(ctx, logits: Tensor, teacher_log_probs: Tensor,
+                rows: Tensor) -> tuple[Tensor, Tensor]:
         step = _rows_per_chunk(logits)
-        total = sum(_row_losses(logits[i:i + step], teacher_logits, rows[i:i + step]).sum()
-                    for i in range(0, logits.shape[0], step))
-        ctx.save_for_backward(logits, teacher_logits, rows)
-        return torch.as_tensor(total, dtype=torch.float32, device=logits.device)
+        loss = logits.new_zeros((), dtype=torch.float32)
+        hits = logits.new_zeros((), dtype=torch.int64)
+        lses = [logits.new_zeros(0, dtype=torch.float32)]  # all an empty batch keeps
+        for i in range(0, logits.shape[0], step):
+            rows_loss, lse, agree = _row_losses(logits[i:i + step], teacher_log_probs,
+                                                rows[i:i + step])
+            loss, hits = loss + rows_loss.sum(), hits + agree.sum()
+            lses.append(lse)
+        ctx.save_for_backward(logits, torch.cat(lses), teacher_log_probs, rows)
+        ctx.mark_non_differentiable(hits)
+        return loss, hits
 
     @staticmethod
-    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
-        logits, teacher_logits, rows = ctx.saved_tensors
+    def backward(ctx, grad: Tensor, _hits: Tensor | None) -> tuple[Tensor, None, None]:
+        logits, lse, teacher_log_probs, rows = ctx.saved_tensors
         out = torch.empty_like(logits)
         step = _rows_per_chunk(logits)
         for i in range(0, logits.shape[0], step):
-            out[i:i + step] = _row_grads(logits[i:i + step], teacher_logits, rows[i:i + step],
-                                         grad)
+            out[i:i + step] = _row_grads(logits[i:i + step], lse[i:i + step],
+                                         teacher_log_probs, rows[i:i + step], grad)
         return out, None, None
 
 
-def soft_cross_entropy(logits: Tensor, teacher_logits: Tensor, rows: Tensor) -> Tensor:
-    """The summed cross-entropy of `logits` [n, V] against the teacher's rows `rows` [n]."""
-    return _SoftCrossEntropy.apply(logits, teacher_logits, rows)
+def soft_cross_entropy(logits: Tensor, teacher_log_probs: Tensor,
+                       rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The summed cross-entropy of `logits` [n, V] against the teacher's rows `rows` [n], and
+    how many of those n rows have the teacher's argmax."""
+    return _SoftCrossEntropy.apply(logits, teacher_log_probs, rows)

@@ -471,9 +471,9 @@ class Eagle3Drafter(nn.Module):
         for out, pick in zip(self.unroll(input_ids, aux, steps), teacher.picks):
             # lm_head only where the loss counts: it is the largest matmul of the drafter.
             logits = self.logits(out[pick.batch, pick.index])
-            losses.append(soft_cross_entropy(logits, teacher.logits, pick.rows)
-                          / max(logits.shape[0], 1))
-            correct.append((logits.argmax(-1) == teacher.top[pick.rows]).sum())
+            loss, hits = soft_cross_entropy(logits, teacher.log_probs, pick.rows)
+            losses.append(loss / max(logits.shape[0], 1))
+            correct.append(hits)
         loss_per_step = torch.stack(losses)
         weights = LOSS_DECAY ** torch.arange(steps, device=loss_per_step.device,
                                              dtype=torch.float32)

@@ -277,19 +277,24 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
     assert int(grown) < 64 * 1024  # KiB
 
 
-def test_soft_cross_entropy_and_its_gradient_equal_the_plain_formula(monkeypatch):
+def test_soft_cross_entropy_its_gradient_and_its_agreement_count_equal_the_plain_formulas(
+        monkeypatch):
     monkeypatch.setattr(loss_mod, "CHUNK_ELEMENTS", 3 * 50)  # 3 rows per chunk: 4 chunks
     torch.manual_seed(0)
     z = torch.randn(10, 50, requires_grad=True)
     teacher_logits = torch.randn(16, 50)
     rows = torch.tensor([0, 3, 3, 7, 8, 9, 10, 11, 14, 15])
-    fused = soft_cross_entropy(z, teacher_logits, rows)
+    with torch.no_grad():
+        z[[1, 4]] = teacher_logits[rows[[1, 4]]]  # two rows agree with the teacher for sure
+    fused, hits = soft_cross_entropy(z, torch.log_softmax(teacher_logits, -1), rows)
     (grad,) = torch.autograd.grad(fused * 2.0, z)
     p = torch.softmax(teacher_logits[rows], -1)
     plain = -(p * torch.log_softmax(z, -1)).sum()
     (want,) = torch.autograd.grad(plain * 2.0, z)
     torch.testing.assert_close(fused, plain)
     torch.testing.assert_close(grad, want)
+    agree = (z.argmax(-1) == teacher_logits[rows].argmax(-1)).sum()
+    assert hits.item() == agree.item() >= 2
 
 
 def test_draft_vocab_takes_the_most_frequent_ids_as_offsets():
