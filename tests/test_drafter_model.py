@@ -1,18 +1,14 @@
 """The drafter's shapes, its training-time test against chain drafting, and the draft vocab."""
 
-import subprocess
-import sys
 from typing import Callable
 
 import torch
 
 import pytest
-from torch.nn.attention.flex_attention import create_block_mask
 
 from eagle3d.drafter import loss as loss_mod
 from eagle3d.drafter.loss import soft_cross_entropy, teacher
-from eagle3d.drafter.model import (FLEX_TILE, DraftConfig, Eagle3Drafter, _causal,
-                                   causal_block_mask, dense_attention, flex_ttt_attention,
+from eagle3d.drafter.model import (DraftConfig, Eagle3Drafter, dense_attention, ttt_attention,
                                    with_drafts)
 from eagle3d.drafter.vocab import from_counts
 
@@ -165,7 +161,7 @@ def _context_log_sum_exp(q, context, scale, key_mask):
 
 @pytest.mark.parametrize("drafts", [1, 4])
 def test_drafts_merged_into_the_context_attention_give_one_softmax_and_its_gradient(drafts):
-    """Training on CUDA attends to the context alone (flex) and merges the drafts' keys in
+    """Training attends to the context alone (a fused kernel) and merges the drafts' keys in
     through its log-sum-exp: the result and every gradient must be those of one softmax over
     all the keys (dense_attention), also where a batch row hides context keys and the context
     is longer than the queries."""
@@ -205,7 +201,8 @@ def test_the_merge_compiles_once_for_any_number_of_drafts_rows_and_length(monkey
     """On CUDA every fused kernel is compiled, tens of seconds each on an H200: a TTT-7 trainer
     merges 1 to 6 drafts into batches whose rows and lengths change at every step, and a
     kernel compiled per draft count (or per size it first saw) kept it from its first step for
-    minutes. Compiled here by the real compiler on the CPU, each of the merge's kernels must
+    minutes. Compiled here by the real compiler on the CPU, each of the merge's kernels (and the
+    one folding the log-sum-exp's gradient into the attention's backward) must
     make one graph, forward and backward, whatever the drafts, rows and lengths; and in it the
     feature sizes stay fixed (reductions over a known size ran 6.5% faster on an H200)."""
     import torch.fx.experimental._config as shapes
@@ -215,15 +212,13 @@ def test_the_merge_compiles_once_for_any_number_of_drafts_rows_and_length(monkey
     graphs = {}
     with shapes.patch(use_duck_shape=shapes.use_duck_shape):  # the process's, restored after
         torch._dynamo.reset()
-        for name in ("_join_draft", "_context_grads", "_draft_grads"):
+        for name in ("_join_draft", "_context_grads", "_draft_grads", "_fold_lse_grad"):
             graphs[name] = _Graphs()
             monkeypatch.setattr(model, name, compiled_for_any_sizes(
                 getattr(model, name).__wrapped__, backend=graphs[name]))
         for rows, T, drafts in [(2, 5, 1), (2, 5, 2), (3, 9, 4), (2, 7, 6), (5, 6, 3)]:
             q, context, others = _attention_inputs(drafts, T=T, Tc=T, grad=True, B=rows)
-            lse = _context_log_sum_exp(q, context, 0.25, torch.ones(rows, T, dtype=torch.bool))
-            merged = with_drafts(q, dense_attention(q, context, [], 0.25), lse, others, 0.25)
-            merged.sum().backward()
+            ttt_attention(q, context, others, 0.25).sum().backward()
         torch._dynamo.reset()
     assert {name: g.count for name, g in graphs.items()} == dict.fromkeys(graphs, 1)
     for name, g in graphs.items():
@@ -231,50 +226,21 @@ def test_the_merge_compiles_once_for_any_number_of_drafts_rows_and_length(monkey
         assert batched and all(s[0] and s[-2] and not s[-1] for s in batched), (name, g.symbolic)
 
 
-@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("drafts", [0, 1, 4])
-def test_fused_attention_equals_the_dense_one(drafts):
-    """The CUDA training kernel (flex over the causal context's blocks, then the drafts)
-    against the dense scores, with grouped KV heads and a length that is not a multiple of the
-    kernel's block."""
+def test_fused_training_attention_and_its_gradients_equal_the_dense_ones(drafts):
+    """The training kernel (the fused causal kernel over the context, the drafts merged in
+    through its log-sum-exp, whose gradient its backward takes folded into the output) against
+    one softmax over the dense scores, with grouped KV heads; on CPU PyTorch's own flash kernel
+    stands in for cuDNN's, and both backwards read the output only for rowsum(dO * O)."""
     torch.manual_seed(drafts)
-    q, context, others = _attention_inputs(drafts, T=150, Tc=150)
-    with torch.no_grad():  # flex has no CPU backward; on CPU this runs its eager reference
-        torch.testing.assert_close(flex_ttt_attention(q, context, others, 0.25),
-                                   dense_attention(q, context, others, 0.25),
-                                   atol=1e-5, rtol=1e-4)
-
-
-def _blocks(num: torch.Tensor, indices: torch.Tensor) -> list[list[int]]:
-    return [sorted(indices[0, 0, row, :num[0, 0, row]].tolist()) for row in range(num.shape[-1])]
-
-
-@pytest.mark.parametrize("tiles", [1, 2, 3, 6])
-def test_the_listed_attention_blocks_are_those_the_mask_gives(tiles):
-    """The kernel skips every block its BlockMask leaves out and computes full blocks without
-    the mask: one wrong entry silently drops or leaks attention, so both lists, seen from the
-    queries and from the keys, must be flex's own reading of the mask."""
-    T = tiles * FLEX_TILE
-    want = create_block_mask(_causal, None, None, T, T, device="cpu")
-    got = causal_block_mask(T, torch.device("cpu"))
-    assert got.seq_lengths == want.seq_lengths
-    for side in ("kv", "full_kv", "q", "full_q"):
-        listed = [_blocks(getattr(m, f"{side}_num_blocks"), getattr(m, f"{side}_indices"))
-                  for m in (got, want)]
-        assert listed[0] == listed[1], side
-
-
-def test_the_attention_blocks_of_a_long_sequence_cost_no_quadratic_memory():
-    """Training at T = 32768 must not spend GiBs listing blocks: evaluating the mask everywhere
-    holds [T, T] booleans and their temporaries (5 GiB at T = 8192 with TTT 7's 8 segments)."""
-    grown = subprocess.run([sys.executable, "-c", """
-import resource, torch
-from eagle3d.drafter.model import causal_block_mask
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-causal_block_mask(32768, torch.device("cpu"))
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
-"""], capture_output=True, text=True, check=True).stdout
-    assert int(grown) < 64 * 1024  # KiB
+    q, context, others = _attention_inputs(drafts, T=150, Tc=150, grad=True)
+    got = ttt_attention(q, context, others, 0.25)
+    want = dense_attention(q, context, others, 0.25)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+    leaves = [q, *context, *[t for kv in others for t in kv]]
+    g = torch.randn_like(want)
+    for a, b in zip(torch.autograd.grad(got, leaves, g), torch.autograd.grad(want, leaves, g)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_soft_cross_entropy_its_gradient_and_its_agreement_count_equal_the_plain_formulas(
