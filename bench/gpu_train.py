@@ -612,9 +612,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 KERNEL_KINDS = (  # (kind, marks in a kernel's name): the first kind with a mark wins
-    ("attention", ("flash", "fmha", "sdpa", "flex", "attention")),
+    ("attention", ("flash", "fmha", "sdpa", "attention")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "_mm", "addmm", "bmm", "aten::mm")),
-    ("attention", ("triton_tem",)),  # Inductor's templates here are flex attention's
     ("fused (compiled)", ("triton_",)),
     ("copy", ("copy", "memcpy", "memset", "cat")),
     ("elementwise / reduction", ("elementwise", "reduce", "softmax", "norm", "vectorized")),

@@ -14,6 +14,7 @@ outputs), which is what the drafter sees when it drafts several tokens in a row 
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -302,12 +303,32 @@ def ttt_attention(q: Tensor, context: KV, drafts: list[KV], scale: float) -> Ten
     return with_drafts(q, out, lse, drafts, scale)
 
 
+def fused_kernel_refusal(q: Tensor, k: Tensor, v: Tensor) -> str | None:
+    """None where _CausalAttention's kernel runs on these tensors, else what it was handed.
+    cuDNN's fused attention wants a recent GPU, bf16 or fp16 and a head size it was built for;
+    called without this check it fails with a bare cuDNN error, and PyTorch's own check prints
+    its reason from C++ instead of returning it."""
+    if not q.is_cuda:
+        return None
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, q.shape[1] != k.shape[1])
+    if torch.backends.cuda.can_use_cudnn_attention(params):
+        return None
+    major, minor = torch.cuda.get_device_capability(q.device)
+    return f"{q.dtype}, head size {q.shape[-1]}, on a GPU of compute capability {major}.{minor}"
+
+
 def attend(q: Tensor, context: KV, drafts: list[KV], scale: float,
            key_mask: Tensor | None) -> Tensor:
     # Training takes the fused kernel, where the dense scores would be [heads, T, T] per TTT
     # step; drafting (a context longer than the queries, rows hiding keys) stays dense.
     if torch.is_grad_enabled() and key_mask is None and context[0].shape[2] == q.shape[2]:
-        return ttt_attention(q, context, drafts, scale)
+        refusal = fused_kernel_refusal(q, *context)
+        if refusal is None:
+            return ttt_attention(q, context, drafts, scale)
+        # Said once per reason: Python's warnings show a message once from one place.
+        warnings.warn(f"training attention materialises its scores (memory quadratic in the "
+                      f"sequence length): cuDNN's fused kernel, which wants bf16 or fp16, "
+                      f"cannot run on {refusal}")
     return dense_attention(q, context, drafts, scale, key_mask)
 
 

@@ -125,9 +125,10 @@ def test_kernels_are_told_apart_by_kind():
         "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN", "triton_tem_fused_0",
         "triton_tem_fused_mm_3", "triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_1",
         "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>",
-        "Memcpy HtoD (Pinned -> Device)", "void flash::flash_fwd_kernel<...>")}
-    assert list(kinds.values()) == ["matmul", "attention", "matmul", "fused (compiled)",
-                                    "elementwise / reduction", "copy", "attention"]
+        "Memcpy HtoD (Pinned -> Device)", "void flash::flash_fwd_kernel<...>",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x128_1x4x1")}
+    assert list(kinds.values()) == ["matmul", "fused (compiled)", "matmul", "fused (compiled)",
+                                    "elementwise / reduction", "copy", "attention", "attention"]
 
 
 def test_idle_gaps_are_the_spaces_between_kernels_longest_first():

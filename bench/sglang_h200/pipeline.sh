@@ -14,9 +14,10 @@
 # INTERMEDIATE_SIZE (default 0: the target's) is the drafter's MLP width ([train] intermediate_size);
 # the best recipe measured (docs/sglang.md, "eighth run": 2.553 on all 17,600 conversations):
 # EPOCHS=20 MAX_STEPS=14400 INTERMEDIATE_SIZE=6144.
-# DUMP_DTYPE (default bfloat16) is [extract] dump_dtype. Two runs side by side on one GPU need
-# their own PORT (default 30555); the spool is named after OUTDIR, and each SGLang server takes
-# mem_fraction of the GPU memory free when it starts (SGLang sizes its cache that way).
+# DUMP_DTYPE (default bfloat16) is [extract] dump_dtype; LOSS_ON (default answers) is [train]
+# loss_on. Two runs side by side on one GPU need their own PORT (default 30555); the spool is
+# named after OUTDIR, and each SGLang server takes mem_fraction of the GPU memory free when it
+# starts (SGLang sizes its cache that way).
 set -euo pipefail
 model=$(realpath "$1"); source=$(realpath "$2"); out=$(realpath -m "$3"); shift 3
 extra=$(python3 -c 'import json, sys; print(json.dumps(sys.argv[1:]))' "$@")
@@ -59,6 +60,7 @@ spot_checks = 2
 device = "cuda"
 draft_vocab = 8192
 ttt_steps = 3
+loss_on = "${LOSS_ON:-answers}"
 epochs = ${EPOCHS:-3}
 max_steps = ${MAX_STEPS:-0}
 intermediate_size = ${INTERMEDIATE_SIZE:-0}
