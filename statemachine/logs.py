@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import warnings
 
 _PRIORITY = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
 
@@ -25,3 +26,12 @@ def setup_logging(process: str) -> None:
         handler.setFormatter(logging.Formatter(f"%(asctime)s %(levelname)-7s {process}: %(message)s",
                                                datefmt="%H:%M:%S"))
     logging.basicConfig(level=logging.INFO, handlers=[handler], force=True)
+    # A warning (ours, as the trainer's dense-attention fallback, or a library's) is then a line
+    # of this process at warning priority, not two bare lines the journal files as information.
+    warnings.formatwarning = _one_line
+    logging.captureWarnings(True)
+
+
+def _one_line(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+              line: str | None = None) -> str:
+    return f"{filename}:{lineno}: {category.__name__}: {message}"
