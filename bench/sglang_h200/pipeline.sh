@@ -12,7 +12,8 @@
 # (default 512) conversations are in flight at once ([generate] batch_size). EPOCHS (default 3) of training,
 # stopped at MAX_STEPS optimiser steps where set (the same budget for runs of unequal sizes).
 # INTERMEDIATE_SIZE (default 0: the target's) is the drafter's MLP width ([train] intermediate_size);
-# the best recipe measured (docs/sglang.md, "eighth run": 2.553 on all 17,600 conversations):
+# the best recipe measured (docs/results/drafter-quality.md, "Full scale": 2.553 on all 17,600
+# conversations):
 # EPOCHS=20 MAX_STEPS=14400 INTERMEDIATE_SIZE=6144.
 # DUMP_DTYPE (default bfloat16) is [extract] dump_dtype; LOSS_ON (default answers) is [train]
 # loss_on. Two runs side by side on one GPU need their own PORT (default 30555); the spool is

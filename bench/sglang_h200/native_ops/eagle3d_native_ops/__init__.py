@@ -17,7 +17,8 @@ KV_STORE_TARGET = "sglang.kernels.ops.kvcache.kvcache.can_use_store_cache"
 
 # SGLang's mixture-of-experts router and experts keep their CUDA paths (sgl_kernel's top-k and
 # the Triton fused MoE, which the bundle has): the experts' native path (moe_forward_native, its
-# forward_cpu) never applies DeepSeek-V3's routed scaling factor (docs/sglang.md).
+# forward_cpu) never applies DeepSeek-V3's routed scaling factor (docs/sglang.md, "Found on the
+# H200").
 KEEP_CUDA = ("TopK", "UnquantizedFusedMoEMethod")
 
 
