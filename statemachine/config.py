@@ -6,6 +6,7 @@ silently ignored is a setting the operator believes is in force and is not.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -213,6 +214,8 @@ class Config(NamedTuple):
 
 # Fields computed from others while validating: not part of what an operator writes.
 _DERIVED = ("model_path", "source_path")
+# A daemon's child gets the config in force's digest with this option (entry.child_main).
+IN_FORCE_OPTION = "--in-force"
 
 
 def _plain(value: Any) -> Any:
@@ -241,6 +244,30 @@ def write_in_force(cfg: Config) -> Path:
     path = layout.config_in_force(cfg.paths.state_dir)
     atomic_write_bytes(path, to_toml(cfg).encode())
     return path
+
+
+def in_force_check(cfg: Config) -> list[str]:
+    """The arguments by which a child of the daemon makes sure that the config in force it
+    reads is the one the daemon holds (entry.child_main checks them)."""
+    return [IN_FORCE_OPTION, _digest(to_toml(cfg).encode())]
+
+
+def check_in_force(path: Path, digest: str | None) -> None:
+    """Refuse a config in force edited (or replaced) by hand since the daemon wrote it: its
+    children must start from the config it holds, which passed every check a reload makes."""
+    try:
+        found = _digest(path.read_bytes())
+    except OSError:
+        return  # load_config says what is wrong with it
+    if digest is not None and found != digest:
+        raise ConfigError(f"{path} is not the config in force the daemon holds: edited by hand "
+                          "after the daemon wrote it? Edit the config named at the top of the "
+                          "file and reload the daemon instead (systemctl reload eagle3d), which "
+                          "writes this one again")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def reload_problem(old: Config, new: Config) -> str | None:

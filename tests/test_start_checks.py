@@ -3,10 +3,20 @@ and the config in force that children read."""
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 
+from eagle3d.daemon.children import module_argv
+from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.reconcile import prepare_dirs
-from eagle3d.statemachine.config import ConfigError, load_config
+from eagle3d.dataset import contract
+from eagle3d.statemachine import entry, layout
+from eagle3d.statemachine.config import Config, ConfigError, load_config, write_in_force
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Decision, Stage
+from eagle3d.target import loading
+from tests.conftest import write_conversations
 
 
 @pytest.mark.parametrize("bits, who", [(0o020, "group"), (0o002, "everyone")])
@@ -20,3 +30,98 @@ def test_a_state_folder_others_can_write_is_refused(config_factory, bits, who):
             prepare_dirs(cfg)
         folder.chmod(0o750)
     prepare_dirs(cfg)
+
+
+def planned_dataset(cfg: Config) -> Ledger:
+    """A dataset planned from `cfg`, as the planner leaves it: its capture contract (of
+    SmolLM2's real weights) and a ledger whose plan is complete."""
+    prepare_dirs(cfg)
+    contract.write(cfg.paths.dataset_dir, {
+        "format": 1, "target": cfg.target.model,
+        "target_fingerprint": loading.fingerprint_file_or_folder(cfg.target.model_path),
+        "tokenizer_fingerprint": "t", "chat_template_fingerprint": "c", "layer_ids": [2, 15, 27],
+        "layer_convention": contract.LAYER_CONVENTION, "final_state": contract.FINAL_STATE,
+        "dtype": cfg.target.dtype, "dump_dtype": cfg.extract.dump_dtype, "hidden_size": 576,
+        "num_layers": 30, "vocab_size": 49152, "engine": "transformers",
+        **contract.generate_record(cfg)})
+    ledger = Ledger(layout.ledger(cfg.paths.state_dir))
+    data = cfg.data
+    ledger.add_planned([], [], {"plan.source": data.source, "plan.first": str(data.first),
+                                "plan.max_tokens": str(data.max_tokens),
+                                "plan.responses": data.responses, "plan.exhausted": "1",
+                                "plan.through": str(data.first + data.limit - 1)})
+    return ledger
+
+
+@pytest.mark.parametrize("section, values, named", [
+    ("target", {"dtype": "bfloat16"}, "[target] dtype is 'bfloat16', the contract says "
+                                      "'float32'"),
+    ("target", {"aux_layers": [3, 15, 27]}, "[target] aux_layers (layer ids) is [3, 15, 27]"),
+    ("extract", {"dump_dtype": "float8_e4m3fn"}, "[extract] dump_dtype is 'float8_e4m3fn'"),
+    ("generate", {"temperature": 0.7}, "[generate] is {"),
+])
+def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
+        config_factory, tmp_path, section, values, named):
+    """A restart with an edited contract key (the plan long complete) must not capture into the
+    dataset: the stage is failed with the key, the config and the contract named."""
+    write_conversations(tmp_path / "conv.jsonl", 4)
+    data = {"source": str(tmp_path / "conv.jsonl"), "format": "messages", "limit": 4,
+            "responses": "target"}
+    cfg = load_config(config_factory({"data": data}))
+    with planned_dataset(cfg) as ledger:
+        stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
+        assert stage.observe() == {"plan_complete": True, "blocked": None}
+        edited = load_config(config_factory({"data": data, section: values}))
+        stage.cfg = edited  # a restart (or a reload) with the edit in force
+        facts = stage.observe()
+        assert not facts["plan_complete"]
+        reason = facts["blocked"]
+        assert named in reason and str(edited.path) in reason
+        assert str(layout.contract_file(cfg.paths.dataset_dir)) in reason
+        stage.step(Decision(Stage.FAILED, reason, Stage.PLAN))  # what derive makes of it
+        assert stage.child is None  # no planner, and no later stage, under the edited config
+        assert ledger.events_of(("contract_mismatch",))
+
+
+def test_other_weights_under_the_same_model_name_block_the_daemon(config_factory, tmp_path):
+    cfg = load_config(config_factory())
+    with planned_dataset(cfg) as ledger:
+        doc = contract.read(cfg.paths.dataset_dir)
+        doc["target_fingerprint"] = "0" * 32  # the model file replaced in place
+        contract.write(cfg.paths.dataset_dir, {k: v for k, v in doc.items() if k != "fingerprint"})
+        reason = PlanStage(cfg, ledger, tmp_path).observe()["blocked"]
+        assert "[target] model's weights (fingerprint) is " in reason
+
+
+def test_a_contract_without_generate_settings_keeps_its_fingerprint_and_stays_valid(tmp_path):
+    """Datasets made before the contract recorded [generate] keep working: their fingerprint
+    (in every dump's header) is unchanged, and no generate setting is held against them."""
+    old = {"format": 1, "target": "m", "target_fingerprint": "f", "dtype": "bfloat16",
+           "layer_ids": [2, 15, 27], "num_layers": 30}
+    before = "86c3cd5dbbb8ed680d8827dab7dde5df"  # fingerprint(old) before generate was recorded
+    assert contract.fingerprint(old) == before
+    written = contract.write(tmp_path, old)
+    assert contract.read_checked(tmp_path) == written
+    new = {**old, "generate": {"max_new_tokens": 512, "max_turns": 0, "temperature": 0.0,
+                               "top_p": 1.0, "seed": 0}}
+    assert contract.differences(old, new) == []
+    assert contract.fingerprint(new) != before
+    assert contract.differences(new, {**new, "generate": {**new["generate"], "seed": 1}}) == [
+        "generate: {'max_new_tokens': 512, 'max_turns': 0, 'temperature': 0.0, 'top_p': 1.0, "
+        "'seed': 0} -> {'max_new_tokens': 512, 'max_turns': 0, 'temperature': 0.0, 'top_p': "
+        "1.0, 'seed': 1}"]
+
+
+def test_a_hand_edited_config_in_force_never_reaches_a_child(config_factory):
+    """Children start from the config in force, never from the operator's file: one edited
+    behind the daemon's back (here to another dtype) is refused by the child, with the reason,
+    before it reads a setting; the one the daemon wrote runs."""
+    cfg = load_config(config_factory())
+    prepare_dirs(cfg)
+    path = write_in_force(cfg)
+    argv = module_argv(cfg, "eagle3d.capture.planner")
+    path.write_text(path.read_text().replace('dtype = "float32"', 'dtype = "bfloat16"'))
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert child.returncode == entry.REFUSED
+    assert f"{path} is not the config in force the daemon holds" in child.stderr
+    assert not layout.contract_file(cfg.paths.dataset_dir).exists()  # it planned nothing
