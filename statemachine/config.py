@@ -509,16 +509,35 @@ def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool =
         raise chk.fail(key, str(exc)) from None
     if not resolved.exists():
         if remote_ok and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
-            # A hub name such as org/model: only an engine that can reach the hub will load it.
-            return Path(value)
+            return _hub_snapshot(chk, key, value)
         raise chk.fail(key, f"{value!r} does not exist (resolved to {resolved})")
     return resolved.resolve()
 
 
+def _hub_snapshot(chk: _Checker, key: str, name: str) -> Path:
+    """A hub name (org/model) as the folder of its main revision in the local Hugging Face
+    cache: the capture contract then names the revision and fingerprints its weights. A name
+    the cache does not hold is refused: there are no weights to fingerprint, and every such
+    name would fingerprint alike."""
+    cache = Path(os.environ.get("HF_HUB_CACHE") or Path(
+        os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")
+    repo = cache / f"models--{name.replace('/', '--')}"
+    try:
+        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        snapshot = None
+    if snapshot is None or not snapshot.is_dir():
+        raise chk.fail(key, f"{name!r} is no local path, and the Hugging Face cache ({cache}) "
+                       f"holds no snapshot of it: download it first (huggingface-cli download "
+                       f"{name}), or name the model's folder")
+    return snapshot.resolve()
+
+
 def _spelled(value: str, resolved: Path) -> str:
-    """The spelling a location keeps in the config in force: a relative path becomes absolute,
-    so that the copy the daemon writes into its state folder names the same file; package
-    (`pkg:`) and hub names stay as written."""
+    """The spelling a location keeps in the config in force: a relative path or a hub name
+    becomes absolute (a hub name its cached snapshot, which names the revision), so that the
+    copy the daemon writes into its state folder names the same files; package (`pkg:`) names
+    stay as written."""
     if value.startswith("pkg:") or Path(os.path.expanduser(value)).is_absolute() or \
             not resolved.is_absolute():
         return value
