@@ -15,8 +15,7 @@ from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import Config, ConfigError, load_config, write_in_force
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
-from eagle3d.target import loading
-from tests.conftest import write_conversations
+from tests.conftest import smollm_contract, write_conversations
 
 
 @pytest.mark.parametrize("bits, who", [(0o020, "group"), (0o002, "everyone")])
@@ -36,14 +35,7 @@ def planned_dataset(cfg: Config) -> Ledger:
     """A dataset planned from `cfg`, as the planner leaves it: its capture contract (of
     SmolLM2's real weights) and a ledger whose plan is complete."""
     prepare_dirs(cfg)
-    contract.write(cfg.paths.dataset_dir, {
-        "format": 1, "target": cfg.target.model,
-        "target_fingerprint": loading.fingerprint_file_or_folder(cfg.target.model_path),
-        "tokenizer_fingerprint": "t", "chat_template_fingerprint": "c", "layer_ids": [2, 15, 27],
-        "layer_convention": contract.LAYER_CONVENTION, "final_state": contract.FINAL_STATE,
-        "dtype": cfg.target.dtype, "dump_dtype": cfg.extract.dump_dtype, "hidden_size": 576,
-        "num_layers": 30, "vocab_size": 49152, "engine": "transformers",
-        **contract.generate_record(cfg)})
+    contract.write(cfg.paths.dataset_dir, smollm_contract(cfg))
     ledger = Ledger(layout.ledger(cfg.paths.state_dir))
     data = cfg.data
     ledger.add_planned([], [], {"plan.source": data.source, "plan.first": str(data.first),
