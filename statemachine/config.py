@@ -255,11 +255,13 @@ def in_force_check(cfg: Config) -> list[str]:
 def check_in_force(path: Path, digest: str | None) -> None:
     """Refuse a config in force edited (or replaced) by hand since the daemon wrote it: its
     children must start from the config it holds, which passed every check a reload makes."""
+    if digest is None:  # not a child of the daemon: a command an operator typed
+        return
     try:
         found = _digest(path.read_bytes())
     except OSError:
         return  # load_config says what is wrong with it
-    if digest is not None and found != digest:
+    if found != digest:
         raise ConfigError(f"{path} is not the config in force the daemon holds: edited by hand "
                           "after the daemon wrote it? Edit the config named at the top of the "
                           "file and reload the daemon instead (systemctl reload eagle3d), which "
@@ -523,10 +525,11 @@ def _hub_snapshot(chk: _Checker, key: str, name: str) -> Path:
         os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")
     repo = cache / f"models--{name.replace('/', '--')}"
     try:
-        snapshot = repo / "snapshots" / (repo / "refs" / "main").read_text().strip()
+        revision = (repo / "refs" / "main").read_text().strip()
     except OSError:
-        snapshot = None
-    if snapshot is None or not snapshot.is_dir():
+        revision = ""
+    snapshot = repo / "snapshots" / revision
+    if not revision or not snapshot.is_dir():
         raise chk.fail(key, f"{name!r} is no local path, and the Hugging Face cache ({cache}) "
                        f"holds no snapshot of it: download it first (huggingface-cli download "
                        f"{name}), or name the model's folder")
