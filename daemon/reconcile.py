@@ -208,7 +208,7 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = load_config(self.cfg.path)
-            problem = reload_problem(self.cfg, new)
+            problem = reload_problem(self.cfg, new, self.plan.conflict() is None)
         except ConfigError as exc:
             problem = f"the new config does not validate: {exc}"
         if problem:

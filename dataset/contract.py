@@ -152,5 +152,5 @@ def config_problem(doc: dict[str, Any], cfg: Config, target_fingerprint: str) ->
         return None
     return (f"{cfg.path} does not match the dataset's capture contract "
             f"{layout.contract_file(cfg.paths.dataset_dir)}: {'; '.join(changed)}. Put the "
-            "settings back and restart the daemon (systemctl restart eagle3d), or point [paths] "
-            "dataset_dir and state_dir at new folders for a new dataset")
+            "settings back (systemctl reload eagle3d), or point [paths] dataset_dir and state_dir "
+            "at new folders for a new dataset (systemctl restart eagle3d)")

@@ -272,13 +272,16 @@ def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def reload_problem(old: Config, new: Config) -> str | None:
-    """Why a new config cannot be taken on the fly, or None."""
+def reload_problem(old: Config, new: Config, old_fits: bool = True) -> str | None:
+    """Why a new config cannot be taken on the fly, or None. Where the config in force does not
+    fit the dataset (`old_fits` False: the daemon is blocked on it), the new one is not held
+    against it: the daemon judges it against the dataset itself, so that undoing an edit
+    needs no restart."""
     if new.paths != old.paths:
         return ("[paths] changed: restart the daemon to switch to other folders "
                 "(systemctl restart eagle3d)")
     a, b = old.contract_keys(), new.contract_keys()
-    changed = [k for k in a if a[k] != b[k]]
+    changed = [k for k in a if a[k] != b[k]] if old_fits else []
     if changed:
         return (f"{', '.join(changed)} would break the dataset's capture contract; point "
                 "[paths] dataset_dir and state_dir at new folders for a new dataset")

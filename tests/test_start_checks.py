@@ -12,7 +12,8 @@ from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.reconcile import prepare_dirs
 from eagle3d.dataset import contract
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import Config, ConfigError, load_config, write_in_force
+from eagle3d.statemachine.config import (Config, ConfigError, load_config, reload_problem,
+                                          write_in_force)
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
 from tests.conftest import smollm_contract, write_conversations
@@ -63,7 +64,8 @@ def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
     with planned_dataset(cfg) as ledger:
         stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
         assert stage.observe() == {"plan_complete": True, "blocked": None}
-        edited = load_config(config_factory({"data": data, section: values}))
+        edited = load_config(config_factory({"data": data, section: values}))._replace(
+            paths=cfg.paths)
         stage.cfg = edited  # a restart (or a reload) with the edit in force
         facts = stage.observe()
         assert not facts["plan_complete"]
@@ -73,6 +75,12 @@ def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
         stage.step(Decision(Stage.FAILED, reason, Stage.PLAN))  # what derive makes of it
         assert stage.child is None  # no planner, and no later stage, under the edited config
         assert ledger.events_of(("contract_mismatch",))
+        # The edit undone, a reload is taken (not held against the blocked config) and the
+        # dataset goes on.
+        assert reload_problem(edited, cfg, old_fits=False) is None
+        assert "would break the dataset's capture contract" in reload_problem(edited, cfg)
+        stage.cfg = cfg
+        assert stage.observe() == {"plan_complete": True, "blocked": None}
 
 
 def test_other_weights_under_the_same_model_name_block_the_daemon(config_factory, tmp_path):
