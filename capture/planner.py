@@ -113,6 +113,7 @@ def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, 
         "vocab_size": text_config.vocab_size,
         "architecture": architecture(model_config),
         "engine": cfg.target.engine,
+        **contract.generate_record(cfg),
     }
 
 

@@ -21,7 +21,7 @@ from typing import IO, Sequence
 import psutil
 
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config import Config, in_force_check
 from eagle3d.statemachine.lifecycle import die_with_parent
 
 log = logging.getLogger("eagle3d")
@@ -44,7 +44,7 @@ def module_argv(cfg: Config, module: str, *args: str) -> list[str]:
     """`python -m MODULE -c CONFIG ARGS…` for a child of the daemon, where CONFIG is the config
     in force (the daemon writes it into the state folder), never the operator's editable file."""
     return [sys.executable, "-m", module, "-c", str(layout.config_in_force(cfg.paths.state_dir)),
-            *args]
+            *in_force_check(cfg), *args]
 
 
 class Child:

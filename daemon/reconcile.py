@@ -47,7 +47,8 @@ STOP_BUDGET_S = 150.0
 
 
 def prepare_dirs(cfg: Config) -> None:
-    """Create the folders with no world access, and refuse ones that others can write."""
+    """Create the folders with no world access, and refuse ones that others can write: a
+    group or world member could plant a dump, a pid file or a control request."""
     state = cfg.paths.state_dir
     for path, mode in ((state, 0o750), (layout.children_dir(state), 0o700),
                        (layout.control_dir(state), 0o700), (cfg.paths.spool_dir, 0o700),
@@ -56,8 +57,9 @@ def prepare_dirs(cfg: Config) -> None:
         st = path.lstat()
         if path.is_symlink():
             raise ConfigError(f"{path} is a symlink; eagle3d does not follow links in its folders")
-        if st.st_mode & 0o002:
-            raise ConfigError(f"{path} is world-writable; run chmod o-w {path}")
+        if st.st_mode & 0o022:
+            raise ConfigError(f"{path} is writable by its group or by everyone; run "
+                              f"chmod go-w {path}")
         if st.st_uid not in (os.geteuid(), 0):
             raise ConfigError(f"{path} belongs to uid {st.st_uid}, not the daemon's user")
 
@@ -206,7 +208,7 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = load_config(self.cfg.path)
-            problem = reload_problem(self.cfg, new)
+            problem = reload_problem(self.cfg, new, self.plan.conflict() is None)
         except ConfigError as exc:
             problem = f"the new config does not validate: {exc}"
         if problem:

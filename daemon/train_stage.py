@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from eagle3d.daemon.children import Child, module_argv, remaining
 from eagle3d.statemachine import entry, layout, train_files
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config import Config, in_force_check
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
 
@@ -83,8 +83,9 @@ class TrainStage:
         else:
             self.phase = "training"
             train_files.clear_refusal(self.dir)
-            self.child = Child("trainer", trainer_argv(
-                self.cfg, layout.config_in_force(self.cfg.paths.state_dir)), self.pid_dir)
+            self.child = Child("trainer", [*trainer_argv(
+                self.cfg, layout.config_in_force(self.cfg.paths.state_dir)),
+                *in_force_check(self.cfg)], self.pid_dir)
 
     def _finished(self, code: int, fingerprint: str) -> None:
         name = self.child.name if self.child else "trainer"

@@ -295,9 +295,15 @@ def verify_many(items: Iterable[Expected], workers: int, from_disk: bool = False
         pool.shutdown(wait=True, cancel_futures=True)
 
 
+# The row whose relative error is judged: one in a hundred rows may carry a kernel's outlier
+# noise, while a wrong capture (another layer, model or row order) is wrong in far more.
+SPOT_QUANTILE = 0.99
+
+
 def compare_dumps(stored: Path, fresh: Path, tolerance: float) -> str | None:
     """The numerical spot check: a fresh capture of a verified sample must hold the same ids and
-    mask, and hidden states within `tolerance` relative error (‖fresh − stored‖ / ‖stored‖)."""
+    mask, and hidden states within `tolerance` relative error (‖fresh − stored‖ / ‖stored‖ of
+    each token row, at the SPOT_QUANTILE row of each captured layer)."""
     try:
         a, b = dumpformat.read_header(stored), dumpformat.read_header(fresh)
     except (OSError, DumpError) as exc:
@@ -329,12 +335,14 @@ def _compare_tensors(fa: int, a: DumpHeader, fb: int, b: DumpHeader, tolerance: 
         if _pread(fa, ta.begin, ta.end) != _pread(fb, tb.begin, tb.end):
             return f"{name} differ between the stored and the fresh dump"
     for name in dumpformat.HIDDEN:
-        errors = _relative_errors(fa, a, fb, b, name)
+        errors = np.quantile(_relative_errors(fa, a, fb, b, name), SPOT_QUANTILE, axis=0,
+                             method="higher")
         worst = int(np.argmax(np.nan_to_num(errors, nan=np.inf)))
         if not errors[worst] <= tolerance:  # NaN fails too
             where = f" (captured layer {worst + 1} of {len(errors)})" if len(errors) > 1 else ""
             return (f"{name}{where} differs from the fresh capture: relative error "
-                    f"{errors[worst]:.4g} > tolerance {tolerance:g}")
+                    f"{errors[worst]:.4g} in the {SPOT_QUANTILE:.0%} row > tolerance "
+                    f"{tolerance:g}")
     return None
 
 
@@ -346,22 +354,24 @@ def _pread(fd: int, begin: int, end: int) -> bytes:
 
 
 def _relative_errors(fa: int, a: DumpHeader, fb: int, b: DumpHeader, name: str) -> np.ndarray:
-    """‖b − a‖ / ‖a‖ of each captured layer of one hidden-state tensor, in float32, whole rows at
-    a time (an fp8 row dequantized with its scales). Per layer, because the layers' norms differ
-    by orders of magnitude (outlier features): over the whole tensor, a wrong shallow layer would
-    hide under the deep ones."""
+    """‖b − a‖ / ‖a‖ of each token row of each captured layer of one hidden-state tensor
+    [T, layers], in float32, whole rows at a time (an fp8 row dequantized with its scales). Per
+    layer, because the layers' norms differ by orders of magnitude (outlier features): over the
+    whole tensor, a wrong shallow layer would hide under the deep ones. Per row, because a few
+    tokens' massive activations (SmolLM2: ~26,000 in layers 15 and 27) hold most of a layer's
+    norm: over all rows, half the rows unrelated measured 0.06 to 0.13."""
     info = a.tensors[name]
     rows, width = info.shape
     blocks = dumpformat.LAYER_BLOCKS[name]
     scales_a, scales_b = _scales(fa, a, name), _scales(fb, b, name)
     step = max(1, CHUNK // (width * dumpformat.DTYPE_SIZES[info.dtype]))
-    diff_sq, ref_sq = np.zeros(blocks), np.zeros(blocks)
+    diff_sq, ref_sq = np.zeros((rows, blocks)), np.zeros((rows, blocks))
     for start in range(0, rows, step):
         end = min(rows, start + step)
         x = _rows(fa, info, start, end, scales_a).reshape(end - start, blocks, -1)
         y = _rows(fb, b.tensors[name], start, end, scales_b).reshape(end - start, blocks, -1)
-        diff_sq += np.einsum("rbh,rbh->b", y - x, y - x, dtype=np.float64)
-        ref_sq += np.einsum("rbh,rbh->b", x, x, dtype=np.float64)
+        diff_sq[start:end] = np.einsum("rbh,rbh->rb", y - x, y - x, dtype=np.float64)
+        ref_sq[start:end] = np.einsum("rbh,rbh->rb", x, x, dtype=np.float64)
     with np.errstate(divide="ignore", invalid="ignore"):
         return np.where(ref_sq == 0, np.where(diff_sq == 0, 0.0, np.inf),
                         np.sqrt(diff_sq / ref_sq))

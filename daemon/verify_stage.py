@@ -80,7 +80,7 @@ class VerifyRunner:
                                                       from_disk=doubt is not None):
                 s = samples[sid]
                 if problem is None:
-                    ledger.mark_verified(sid, stat_key or "")
+                    ledger.mark_verified(s, stat_key or "")
                 else:
                     self.failures += 1
                     log.warning("verify: sample %s failed: %s", sid, problem)

@@ -21,7 +21,9 @@ else:  # pragma: no cover
 
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
+from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.entry import ContractMismatch, Refusal
+
 LAYER_CONVENTION = "hidden state entering decoder layer i (HF hidden_states[i])"
 FINAL_STATE = "post_norm"
 
@@ -31,6 +33,8 @@ FINAL_STATE = "post_norm"
 BINDING = ("format", "target", "target_fingerprint", "tokenizer_fingerprint",
            "chat_template_fingerprint", "layer_ids", "layer_convention", "final_state", "dtype",
            "hidden_size", "num_layers", "vocab_size")
+# The [generate] settings that decide what the target writes ([data] responses = "target").
+GENERATE = ("max_new_tokens", "max_turns", "temperature", "top_p", "seed")
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -50,13 +54,24 @@ def dump_dtype(contract: dict[str, Any]) -> str:
     return contract.get("dump_dtype") or contract.get("dtype") or ""
 
 
+def generate_record(cfg: Config) -> dict[str, Any]:
+    """What a contract records of the [generate] settings: where the target writes the
+    answers, the settings that decide what it writes; else nothing."""
+    if cfg.data.responses != "target":
+        return {}
+    return {"generate": {k: getattr(cfg.generate, k) for k in GENERATE}}
+
+
 def _binding(contract: dict[str, Any]) -> dict[str, Any]:
-    """The binding fields. `dump_dtype` is one only where it differs from `dtype`, so a contract
-    whose dumps store the states as computed keeps the fingerprint it had before dump precisions
-    existed, and old datasets stay usable."""
+    """The binding fields. `dump_dtype` is one only where it differs from `dtype`, and
+    `generate` only where recorded, so a contract whose dumps store the states as computed, or
+    written before the generate settings were recorded, keeps the fingerprint it had, and old
+    datasets stay usable."""
     binding = {k: contract.get(k) for k in BINDING}
     if dump_dtype(contract) != contract.get("dtype"):
         binding["dump_dtype"] = dump_dtype(contract)
+    if contract.get("generate") is not None:
+        binding["generate"] = contract["generate"]
     return binding
 
 
@@ -106,6 +121,36 @@ def write(dataset_dir: Path, contract: dict[str, Any]) -> dict[str, Any]:
 
 
 def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """What binds differently in contract `b` than in `a`, the dataset's: generate settings
+    only where `a` records them (a contract written before they were cannot tell)."""
     pairs = {k: (a.get(k), b.get(k)) for k in BINDING}
     pairs["dump_dtype"] = (dump_dtype(a), dump_dtype(b))
+    if a.get("generate") is not None:
+        pairs["generate"] = (a["generate"], b.get("generate"))
     return [f"{k}: {x!r} -> {y!r}" for k, (x, y) in pairs.items() if x != y]
+
+
+def config_problem(doc: dict[str, Any], cfg: Config, target_fingerprint: str) -> str | None:
+    """Why the config cannot capture into the dataset of contract `doc`, or None: every setting
+    the contract binds that the config decides, the target's weights (`target_fingerprint`, of
+    the config's model) among them. The [data] slice is the ledger's (plan.* keys)."""
+    try:
+        layer_ids = list(cfg.target.aux_layers or default_layer_ids(doc.get("num_layers", 0)))
+    except ValueError:
+        layer_ids = []
+    generate = generate_record(cfg).get("generate")
+    pairs = {"[target] model": (doc.get("target"), cfg.target.model),
+             "[target] model's weights (fingerprint)": (doc.get("target_fingerprint"),
+                                                        target_fingerprint),
+             "[target] dtype": (doc.get("dtype"), cfg.target.dtype),
+             "[target] aux_layers (layer ids)": (doc.get("layer_ids"), layer_ids),
+             "[extract] dump_dtype": (dump_dtype(doc), cfg.extract.dump_dtype)}
+    if doc.get("generate") is not None:
+        pairs["[generate]"] = (doc["generate"], generate)
+    changed = [f"{k} is {y!r}, the contract says {x!r}" for k, (x, y) in pairs.items() if x != y]
+    if not changed:
+        return None
+    return (f"{cfg.path} does not match the dataset's capture contract "
+            f"{layout.contract_file(cfg.paths.dataset_dir)}: {'; '.join(changed)}. Put the "
+            "settings back (systemctl reload eagle3d), or point [paths] dataset_dir and state_dir "
+            "at new folders for a new dataset (systemctl restart eagle3d)")

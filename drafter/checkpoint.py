@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from eagle3d.statemachine.atomic import fsync_dir
+from eagle3d.statemachine.config import TrainConfig
 
 log = logging.getLogger("eagle3d.trainer")
 
@@ -45,27 +46,33 @@ def _complete(folder: Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
+def schedule(train: TrainConfig) -> dict[str, Any]:
+    """The [train] settings a checkpoint's step and batch position count in: the epochs'
+    batches (batch_tokens, seed, epochs) and what each step unrolls (ttt_steps). Resumed under
+    others, samples would be trained twice or not at all. Saved in each checkpoint."""
+    return {k: getattr(train, k) for k in ("batch_tokens", "epochs", "seed", "ttt_steps")}
+
+
 def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any],
-           model_state: dict[str, torch.Tensor]) -> dict[str, Any] | None:
-    """The newest checkpoint made from this manifest for a drafter of this shape, holding the
-    weights `model_state` names, at its sizes (the model's own layout), or None. A checkpoint of
-    another manifest or shape (the [train] keys that size the drafter changed) or made by a
-    version of eagle3d that laid the weights out otherwise is not resumed: training starts
-    over, and says so."""
+           model_state: dict[str, torch.Tensor], train: TrainConfig) -> dict[str, Any] | None:
+    """The newest checkpoint made from this manifest for a drafter of this shape, under `train`'s
+    schedule, holding the weights `model_state` names, at its sizes (the model's own layout),
+    or None. A checkpoint of another manifest, shape (the [train] keys that size the drafter
+    changed) or schedule, or made by a version of eagle3d that laid the weights out otherwise
+    or recorded no schedule, is not resumed: training starts over, and says so."""
     folder = Path(folder)
     complete = _complete(folder) if folder.is_dir() else []
     if not complete:
         return None
     path = complete[-1]
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    if state.get("manifest_fingerprint") != fingerprint:
-        log.warning("checkpoint %s was made from another dataset manifest (%s, now %s); "
-                    "starting over", path, state.get("manifest_fingerprint"), fingerprint)
-        return None
-    if state.get("draft_config") != draft_config:
-        log.warning("checkpoint %s holds a drafter of another shape (%s, now %s); starting "
-                    "over", path, state.get("draft_config"), draft_config)
-        return None
+    for key, what, now in (("manifest_fingerprint", "from another dataset manifest", fingerprint),
+                           ("draft_config", "for a drafter of another shape", draft_config),
+                           ("schedule", "under other [train] settings", schedule(train))):
+        if state.get(key) != now:
+            log.warning("checkpoint %s was made %s (%s, now %s); starting over", path, what,
+                        state.get(key), now)
+            return None
     held, weights = ({name: t.shape for name, t in tensors.items()}
                      for tensors in (state["model"], model_state))
     if held != weights:

@@ -238,10 +238,16 @@ def dense_attention(q: Tensor, context: KV, drafts: list[KV], scale: float,
 @fused_on_cuda
 def _fold_lse_grad(out: Tensor, d_out: Tensor, d_lse: Tensor) -> Tensor:
     """`out` moved along `d_out` so that rowsum(d_out * result) = rowsum(d_out * out) - d_lse
-    (_CausalAttention). d_lse [..., T, 1]."""
+    (_CausalAttention). d_lse [..., T, 1]. d_out is taken over its largest magnitude first:
+    squared, a gradient as small as 1e-16 would fall under float32's smallest numbers (or a
+    floor on |d_out|^2 would cut d_lse's share). A row of d_out all zeros has d_lse zero too
+    (with_drafts' d_lse is p * g.(O - merged)): it leaves `out` as it is."""
     g = d_out.float()
-    norm = (g * g).sum(-1, keepdim=True).clamp_min(1e-30)
-    return (out.float() - d_lse * g / norm).to(out.dtype)
+    top = g.abs().amax(-1, keepdim=True)
+    top = torch.where(top > 0, top, 1.0)
+    unit = g / top
+    norm = (unit * unit).sum(-1, keepdim=True)  # at least 1 where d_out is not all zeros
+    return (out.float() - d_lse / top * unit / torch.where(norm > 0, norm, 1.0)).to(out.dtype)
 
 
 def _laid_out_like(t: Tensor, like: Tensor) -> Tensor:
@@ -274,6 +280,9 @@ class _CausalAttention(torch.autograd.Function):
                 q, k, v, 0.0, True, scale=scale)
         ctx.scale = scale
         ctx.save_for_backward(q, k, v, out, lse)
+        # Without drafts the log-sum-exp is not used: its gradient then comes as None, not as
+        # zeros to fold in.
+        ctx.set_materialize_grads(False)
         return out, lse.view(out.shape[:-1])
 
     @staticmethod

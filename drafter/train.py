@@ -326,7 +326,7 @@ def resume(run: Run) -> None:
     """Continue from the last checkpoint of this manifest, if there is one."""
     rt = run.rt
     state = (checkpoint.latest(layout.checkpoint_dir(run.dir), run.fingerprint,
-                               run.model.cfg.to_dict(), run.model.state_dict())
+                               run.model.cfg.to_dict(), run.model.state_dict(), run.cfg.train)
              if rt.main else None)
     state = broadcast(rt, state)
     if state is not None:
@@ -358,7 +358,8 @@ def save_checkpoint(run: Run) -> None:
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
             "pos": run.pos, "world": run.rt.world, "rng": rng,
-            "manifest_fingerprint": run.fingerprint, "draft_config": run.model.cfg.to_dict()})
+            "manifest_fingerprint": run.fingerprint, "draft_config": run.model.cfg.to_dict(),
+            "schedule": checkpoint.schedule(run.cfg.train)})
     if run.rt.world > 1:
         dist.barrier()
 

@@ -6,6 +6,7 @@ silently ignored is a setting the operator believes is in force and is not.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import re
@@ -213,6 +214,8 @@ class Config(NamedTuple):
 
 # Fields computed from others while validating: not part of what an operator writes.
 _DERIVED = ("model_path", "source_path")
+# A daemon's child gets the config in force's digest with this option (entry.child_main).
+IN_FORCE_OPTION = "--in-force"
 
 
 def _plain(value: Any) -> Any:
@@ -243,13 +246,42 @@ def write_in_force(cfg: Config) -> Path:
     return path
 
 
-def reload_problem(old: Config, new: Config) -> str | None:
-    """Why a new config cannot be taken on the fly, or None."""
+def in_force_check(cfg: Config) -> list[str]:
+    """The arguments by which a child of the daemon makes sure that the config in force it
+    reads is the one the daemon holds (entry.child_main checks them)."""
+    return [IN_FORCE_OPTION, _digest(to_toml(cfg).encode())]
+
+
+def check_in_force(path: Path, digest: str | None) -> None:
+    """Refuse a config in force edited (or replaced) by hand since the daemon wrote it: its
+    children must start from the config it holds, which passed every check a reload makes."""
+    if digest is None:  # not a child of the daemon: a command an operator typed
+        return
+    try:
+        found = _digest(path.read_bytes())
+    except OSError:
+        return  # load_config says what is wrong with it
+    if found != digest:
+        raise ConfigError(f"{path} is not the config in force the daemon holds: edited by hand "
+                          "after the daemon wrote it? Edit the config named at the top of the "
+                          "file and reload the daemon instead (systemctl reload eagle3d), which "
+                          "writes this one again")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def reload_problem(old: Config, new: Config, old_fits: bool = True) -> str | None:
+    """Why a new config cannot be taken on the fly, or None. Where the config in force does not
+    fit the dataset (`old_fits` False: the daemon is blocked on it), the new one is not held
+    against it: the daemon judges it against the dataset itself, so that undoing an edit
+    needs no restart."""
     if new.paths != old.paths:
         return ("[paths] changed: restart the daemon to switch to other folders "
                 "(systemctl restart eagle3d)")
     a, b = old.contract_keys(), new.contract_keys()
-    changed = [k for k in a if a[k] != b[k]]
+    changed = [k for k in a if a[k] != b[k]] if old_fits else []
     if changed:
         return (f"{', '.join(changed)} would break the dataset's capture contract; point "
                 "[paths] dataset_dir and state_dir at new folders for a new dataset")
@@ -482,16 +514,36 @@ def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool =
         raise chk.fail(key, str(exc)) from None
     if not resolved.exists():
         if remote_ok and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
-            # A hub name such as org/model: only an engine that can reach the hub will load it.
-            return Path(value)
+            return _hub_snapshot(chk, key, value)
         raise chk.fail(key, f"{value!r} does not exist (resolved to {resolved})")
     return resolved.resolve()
 
 
+def _hub_snapshot(chk: _Checker, key: str, name: str) -> Path:
+    """A hub name (org/model) as the folder of its main revision in the local Hugging Face
+    cache: the capture contract then names the revision and fingerprints its weights. A name
+    the cache does not hold is refused: there are no weights to fingerprint, and every such
+    name would fingerprint alike."""
+    cache = Path(os.environ.get("HF_HUB_CACHE") or Path(
+        os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")
+    repo = cache / f"models--{name.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        revision = ""
+    snapshot = repo / "snapshots" / revision
+    if not revision or not snapshot.is_dir():
+        raise chk.fail(key, f"{name!r} is no local path, and the Hugging Face cache ({cache}) "
+                       f"holds no snapshot of it: download it first (huggingface-cli download "
+                       f"{name}), or name the model's folder")
+    return snapshot.resolve()
+
+
 def _spelled(value: str, resolved: Path) -> str:
-    """The spelling a location keeps in the config in force: a relative path becomes absolute,
-    so that the copy the daemon writes into its state folder names the same file; package
-    (`pkg:`) and hub names stay as written."""
+    """The spelling a location keeps in the config in force: a relative path or a hub name
+    becomes absolute (a hub name its cached snapshot, which names the revision), so that the
+    copy the daemon writes into its state folder names the same files; package (`pkg:`) names
+    stay as written."""
     if value.startswith("pkg:") or Path(os.path.expanduser(value)).is_absolute() or \
             not resolved.is_absolute():
         return value

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 from typing import Callable
 
-from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.config import (IN_FORCE_OPTION, Config, ConfigError, check_in_force,
+                                          load_config)
 from eagle3d.statemachine.logs import setup_logging
 
 OK = 0
@@ -41,12 +43,15 @@ def child_main(process: str, description: str, run: Callable[[Config, argparse.N
     and run; a bad config or a Refusal is one error line and its exit code, not a traceback."""
     parser = argparse.ArgumentParser(prog=f"eagle3d {process}", description=description)
     parser.add_argument("-c", "--config", required=True, help="the eagle3d TOML config")
+    parser.add_argument(IN_FORCE_OPTION, help="the digest of the config in force, from the "
+                        "daemon: refuse a config edited by hand since it was written")
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(process)
     log = logging.getLogger(f"eagle3d.{process}")
     try:
+        check_in_force(Path(args.config), args.in_force)
         return run(load_config(args.config), args)
     except ConfigError as exc:
         log.error("%s", exc)

@@ -187,7 +187,8 @@ class Ledger:
         if readonly:
             if not self.path.exists():
                 raise LedgerError(f"no ledger at {self.path}")
-            uri = f"file:{self.path}?mode=ro"
+            # as_uri, not an f-string: a path with "#" or "?" is a fragment or a query in a URI
+            uri = f"{self.path.absolute().as_uri()}?mode=ro"
             self.db = sqlite3.connect(uri, uri=True, timeout=timeout, isolation_level=None,
                                       check_same_thread=False)
         else:
@@ -402,12 +403,17 @@ class Ledger:
         return chosen
 
     def _move(self, sid: str, frm: Sequence[str], to: str, event: str, detail: str = "",
-              **fields: object) -> bool:
+              guard: dict[str, object] | None = None, **fields: object) -> bool:
+        """One transition, where the row is in one of `frm` and its `guard` columns hold the
+        given values."""
+        guard = guard or {}
         sets = ", ".join([f"{k} = ?" for k in fields] + ["status = ?", "updated_at = ?"])
         marks = ", ".join("?" * len(frm))
+        holds = "".join(f" AND {k} IS ?" for k in guard)
         with self.transaction() as db:
-            cur = db.execute(f"UPDATE samples SET {sets} WHERE id = ? AND status IN ({marks})",
-                             (*fields.values(), to, time.time(), sid, *frm))
+            cur = db.execute(f"UPDATE samples SET {sets} WHERE id = ? AND status IN ({marks})"
+                             f"{holds}", (*fields.values(), to, time.time(), sid, *frm,
+                                          *guard.values()))
             if cur.rowcount:
                 self.event(event, detail, sid, db)
         return bool(cur.rowcount)
@@ -432,9 +438,13 @@ class Ledger:
                            verified_stat=None)
         return to if moved else None
 
-    def mark_verified(self, sid: str, stat: str) -> bool:
-        return self._move(sid, ("extracted", "verified"), "verified", "verified",
-                          verified_stat=stat)
+    def mark_verified(self, checked: Sample, stat: str) -> bool:
+        """Verified, if the row still holds the extraction that was checked (`checked`, read
+        when the pass listed it): an exclude and a retry during a long pass can put a newer
+        file under the same id, one that is not yet synced to disk."""
+        return self._move(checked.id, ("extracted", "verified"), "verified", "verified",
+                          guard={"path": checked.path, "checksum": checked.checksum,
+                                 "dispatched_at": checked.dispatched_at}, verified_stat=stat)
 
     def unverify_all(self, reason: str) -> int:
         """Every verified sample back to extracted, to be verified again: a transition guarded

@@ -63,6 +63,21 @@ def make_config(root: Path, sections: dict[str, dict[str, Any]] | None = None,
     return path
 
 
+def smollm_contract(cfg: Any, **fields: Any) -> dict[str, Any]:
+    """A capture contract as the planner writes it from `cfg` (of SmolLM2, its real weights'
+    fingerprint), with `fields` over it: what the daemon compares the config with at start."""
+    from eagle3d.dataset import contract, dumpformat
+    from eagle3d.target import loading
+    return {"format": dumpformat.FORMAT, "target": cfg.target.model,
+            "target_fingerprint": loading.fingerprint_file_or_folder(cfg.target.model_path),
+            "tokenizer_fingerprint": "t", "chat_template_fingerprint": "c",
+            "layer_ids": [2, 15, 27], "layer_convention": contract.LAYER_CONVENTION,
+            "final_state": contract.FINAL_STATE, "dtype": cfg.target.dtype,
+            "dump_dtype": cfg.extract.dump_dtype, "hidden_size": 576, "num_layers": 30,
+            "vocab_size": 49152, "engine": cfg.target.engine, **contract.generate_record(cfg),
+            **fields}
+
+
 @pytest.fixture
 def config_factory(tmp_path):
     made: list[Path] = []

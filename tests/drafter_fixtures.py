@@ -78,7 +78,7 @@ def record_dataset(root: Path, contract: dict, samples: list[tuple[Any, dict]]) 
         checksum = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
         ledger.mark_extracted(planned.id, str(path.relative_to(dataset_dir)),
                               path.stat().st_size, checksum)
-        ledger.mark_verified(planned.id, "fixture")
+        ledger.mark_verified(ledger.sample(planned.id), "fixture")
     manifest.write(dataset_dir, manifest.build(ledger, contract))
     ledger.close()
 

@@ -139,3 +139,31 @@ def test_a_reload_that_changes_dump_dtype_is_refused(config_factory):
     assert reload_problem(running, edited("bfloat16")) is None  # spelt out: the same
     assert reload_problem(running, edited("float8_e4m3fn")).startswith(
         "dump_dtype would break the dataset's capture contract")
+
+
+def test_hub_names_resolve_to_their_cached_snapshot_or_are_refused(config_factory, tmp_path,
+                                                                   monkeypatch):
+    """A hub name is read from the local Hugging Face cache's snapshot of its main revision:
+    two models fingerprint apart (a name alone would fingerprint like every other), the
+    revision is in force, and a name the cache does not hold is refused with the way out."""
+    from eagle3d.target import loading
+    cache = tmp_path / "hub"
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    for name, weights in (("org/model-a", b"a" * 4096), ("org/model-b", b"b" * 4096)):
+        repo = cache / f"models--{name.replace('/', '--')}"
+        snapshot = repo / "snapshots" / ("1" * 40)
+        snapshot.mkdir(parents=True)
+        (snapshot / "model.safetensors").write_bytes(weights)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text("1" * 40)
+    a, b = (load_config(config_factory({"target": {"model": name}}, name=f"{name[-1]}.toml"))
+            for name in ("org/model-a", "org/model-b"))
+    assert a.target.model_path == cache / "models--org--model-a" / "snapshots" / ("1" * 40)
+    assert a.target.model == str(a.target.model_path)  # the revision is in force
+    assert loading.fingerprint_file_or_folder(a.target.model_path) != \
+        loading.fingerprint_file_or_folder(b.target.model_path)
+    with pytest.raises(ConfigError) as refused:
+        load_config(config_factory({"target": {"model": "org/model-c"}}, name="c.toml"))
+    assert "[target.model] 'org/model-c' is no local path, and the Hugging Face cache" in \
+        str(refused.value)
+    assert "huggingface-cli download org/model-c" in str(refused.value)

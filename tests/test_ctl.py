@@ -124,5 +124,5 @@ def test_engine_command_names_each_process_that_runs_the_target(config_factory):
     assert target.returncode == 0, target.stderr
     lines = target.stdout.splitlines()
     assert lines[0] == "# the generate stage's generator"
-    assert "eagle3d.capture.generator -c" in lines[1] and lines[1].endswith("config.toml")
+    assert "eagle3d.capture.generator -c" in lines[1] and "config.toml --in-force " in lines[1]
     assert lines[2] == "# the extract stage's engine" and "eagle3d.capture.worker -c" in lines[3]

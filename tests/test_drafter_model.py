@@ -271,3 +271,53 @@ def test_draft_vocab_takes_the_most_frequent_ids_as_offsets():
     assert vocab.t2d.tolist() == [True, False, True, True, False, False, True]
     whole = from_counts(counts, 100)  # a small target vocabulary is taken whole
     assert whole.size == 7 and whole.d2t.tolist() == [0] * 7
+
+
+@pytest.mark.parametrize("scale", [1e-16, 1e-30])
+def test_the_fused_attentions_gradients_hold_for_tiny_upstream_gradients(scale):
+    """Late in training (or under a small loss weight) the attention's upstream gradient can be
+    tiny: folding the log-sum-exp's gradient in must not lose it where |dO|^2 falls under the
+    smallest float32 numbers."""
+    torch.manual_seed(5)
+    q, context, others = _attention_inputs(2, T=40, Tc=40, grad=True)
+    leaves = [q, *context, *[t for kv in others for t in kv]]
+    g = torch.randn(2, 4, 40, 16) * scale
+    got = torch.autograd.grad(ttt_attention(q, context, others, 0.25), leaves, g)
+    want = torch.autograd.grad(dense_attention(q, context, others, 0.25), leaves, g)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a / scale, b / scale, atol=1e-5, rtol=1e-4)
+
+
+def test_without_drafts_nothing_is_folded_into_the_attentions_backward(monkeypatch):
+    """With no drafts the log-sum-exp is unused: its backward takes the kernel's own path, with
+    no pass over zeros."""
+    from eagle3d.drafter import model
+    folds = []
+    fold = model._fold_lse_grad
+    monkeypatch.setattr(model, "_fold_lse_grad", lambda *a: folds.append(1) or fold(*a))
+    q, context, _ = _attention_inputs(0, T=20, Tc=20, grad=True)
+    ttt_attention(q, context, [], 0.25).sum().backward()
+    assert folds == []
+    q, context, others = _attention_inputs(1, T=20, Tc=20, grad=True)
+    ttt_attention(q, context, others, 0.25).sum().backward()
+    assert folds == [1]
+
+
+def test_the_fused_attentions_gradients_hold_for_an_upstream_gradient_in_another_layout():
+    """dO reaches the attention's backward laid out as its consumer made it (here a transposed
+    view, as o_proj's input is); cuDNN's backward returns wrong gradients, without a word, for
+    a layout other than its output's (_laid_out_like). On CPU PyTorch's kernel reads any layout:
+    there this checks only that the gradients are right; on a GPU it fails without the fix."""
+    torch.manual_seed(6)
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    B, heads, kv_heads, T, D = 2, 4, 2, 128, 64  # a head size cuDNN's kernel takes
+    leaves = [torch.randn(B, n, T, D, device=device, dtype=dtype, requires_grad=True)
+              for n in (heads, kv_heads, kv_heads)]
+    g = torch.randn(B, T, heads, D, device=device, dtype=dtype).transpose(1, 2)  # not contiguous
+    got = torch.autograd.grad(ttt_attention(leaves[0], leaves[1:], [], 0.125), leaves, g)
+    exact = [t.detach().float().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(dense_attention(exact[0], exact[1:], [], 0.125), exact, g.float())
+    tol = dict(atol=3e-2, rtol=3e-2) if cuda else dict(atol=1e-5, rtol=1e-4)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.float(), b, **tol)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from drafter_fixtures import cached_dataset, write_config
+from eagle3d.statemachine.config import TrainConfig
 
 PY = sys.executable
 SMALL = {"draft_vocab": 2048, "ttt_steps": 2, "epochs": 1.0, "batch_tokens": 1024, "lr": 3e-4,
@@ -133,15 +134,38 @@ def test_a_checkpoint_of_an_earlier_weight_layout_is_not_resumed(tmp_path, caplo
     why, rather than crashing at every restart."""
     import torch
     from eagle3d.drafter import checkpoint
-    shape = {"draft": 1}
+    shape, train = {"draft": 1}, TrainConfig()
     now = {"midlayer.self_attn.qkv_tokens.weight": torch.zeros(8, 4)}
-    checkpoint.save(tmp_path, 3, {"manifest_fingerprint": "m", "draft_config": shape,
-                                  "model": {"midlayer.self_attn.q_proj.weight": torch.zeros(4, 8)}})
-    assert checkpoint.latest(tmp_path, "m", shape, now) is None
+    made = {"manifest_fingerprint": "m", "draft_config": shape,
+            "schedule": checkpoint.schedule(train)}
+    checkpoint.save(tmp_path, 3, {**made, "model": {
+        "midlayer.self_attn.q_proj.weight": torch.zeros(4, 8)}})
+    assert checkpoint.latest(tmp_path, "m", shape, now, train) is None
     assert "lays the drafter's weights out otherwise" in caplog.text
-    checkpoint.save(tmp_path, 4, {"manifest_fingerprint": "m", "draft_config": shape,
-                                  "model": now})
-    assert checkpoint.latest(tmp_path, "m", shape, now)["model"].keys() == now.keys()
+    checkpoint.save(tmp_path, 4, {**made, "model": now})
+    assert checkpoint.latest(tmp_path, "m", shape, now, train)["model"].keys() == now.keys()
+
+
+@pytest.mark.parametrize("change", [{"batch_tokens": 8192}, {"epochs": 2.0}, {"seed": 1},
+                                    {"ttt_steps": 3}])
+def test_a_checkpoint_is_not_resumed_under_another_schedule(tmp_path, caplog, change):
+    """A checkpoint's step and batch position count in its epochs' batches and unroll: resumed
+    under other [train] batch_tokens, epochs, seed or ttt_steps, samples would be trained twice
+    or not at all. Training starts over and says why; so it does for a checkpoint that recorded
+    no schedule (an earlier eagle3d)."""
+    import torch
+    from eagle3d.drafter import checkpoint
+    shape, train = {"draft": 1}, TrainConfig()
+    now = {"fc.weight": torch.zeros(2, 2)}
+    made = {"manifest_fingerprint": "m", "draft_config": shape, "model": now}
+    checkpoint.save(tmp_path, 2, made)
+    assert checkpoint.latest(tmp_path, "m", shape, now, train) is None
+    checkpoint.save(tmp_path, 3, {**made, "schedule": checkpoint.schedule(train)})
+    assert checkpoint.latest(tmp_path, "m", shape, now, train)["model"].keys() == now.keys()
+    caplog.clear()
+    assert checkpoint.latest(tmp_path, "m", shape, now, train._replace(**change)) is None
+    assert "was made under other [train] settings" in caplog.text
+    assert "starting over" in caplog.text
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from eagle3d.statemachine.stages import Decision, Stage
+from tests.conftest import smollm_contract
 from tests.pipeline import wait_for
 from tests.test_ingest import H, sample_ids, write
 
@@ -67,8 +68,7 @@ class FakeEngine:
 
 def plan(cfg: Config, n: int) -> dict[str, Any]:
     """A planned ledger and its contract, as the planner would leave them."""
-    doc = contract.write(cfg.paths.dataset_dir, {"format": dumpformat.FORMAT, "hidden_size": H,
-                                                 "dtype": "bfloat16", "target": "fake"})
+    doc = contract.write(cfg.paths.dataset_dir, smollm_contract(cfg, hidden_size=H))
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         samples = []
         for i in range(n):

@@ -30,7 +30,7 @@ def test_counts_follow_every_transition(ledger):
     ledger.mark_extracted(claimed[0].id, "p", 100, "c")
     ledger.mark_retry(claimed[1].id, "boom", max_attempts=1)
     ledger.mark_retry(claimed[2].id, "boom", max_attempts=3)
-    ledger.mark_verified(claimed[0].id, "stat")
+    ledger.mark_verified(ledger.sample(claimed[0].id), "stat")
     c = ledger.counts()
     assert c.n == {"ungenerated": 0, "generating": 0, "pending": 1, "inflight": 2,
                    "extracted": 0, "verified": 1, "failed": 1, "excluded": 0, "skipped": 1}
@@ -44,7 +44,7 @@ def test_counts_follow_every_transition(ledger):
 def test_a_transition_from_the_wrong_state_does_nothing(ledger):
     ledger.add_planned(planned(1), [], {})
     sid = planned(1)[0].id
-    assert not ledger.mark_verified(sid, "x")  # pending cannot become verified
+    assert not ledger.mark_verified(ledger.sample(sid), "x")  # pending cannot become verified
     ledger.claim(1, 100)
     assert ledger.mark_extracted(sid, "p", 1, "c")
     assert not ledger.mark_extracted(sid, "p", 1, "c")  # no double counting
@@ -91,8 +91,8 @@ def test_gate_opens_only_when_everything_is_accounted_for(ledger):
     ids = [s.id for s in ledger.claim(3, 1000)]
     for sid in ids:
         ledger.mark_extracted(sid, "p", 1, "c")
-    ledger.mark_verified(ids[0], "s")
-    ledger.mark_verified(ids[1], "s")
+    ledger.mark_verified(ledger.sample(ids[0]), "s")
+    ledger.mark_verified(ledger.sample(ids[1]), "s")
     assert not gate(ledger.counts()).open
     ledger.mark_retry(ids[2], "bad", 1, frm=("extracted",))
     g = gate(ledger.counts())
@@ -160,3 +160,29 @@ def test_a_generator_batch_takes_the_shortest_prompts_of_its_window_and_each_onc
         rest += [s.idx for s, _ in batch]
     assert sorted(rest + [3, 1]) == list(range(8))  # every conversation, once
     assert ledger.counts().get("generating") == 8
+
+
+def test_a_read_only_ledger_opens_under_a_path_with_a_hash_or_a_question_mark(tmp_path):
+    for name in ("state#1", "state?2", "state 3"):
+        path = tmp_path / name / "ledger.sqlite"
+        with Ledger(path) as writer:
+            writer.add_planned(planned(2), [], {})
+        with Ledger(path, readonly=True) as reader:
+            assert reader.counts().n["pending"] == 2
+
+
+def test_verify_marks_only_the_extraction_it_checked(ledger):
+    """An exclude and a retry during a long verify pass put a newer file under the same id:
+    the pass's verdict on the old file must not mark the new one verified."""
+    ledger.add_planned(planned(1), [], {})
+    sid = planned(1)[0].id
+    ledger.claim(1, 100)
+    ledger.mark_extracted(sid, "p", 1, "c")
+    listed = ledger.sample(sid)  # the verify pass lists it, then reads it for a long time
+    ledger.exclude([sid], "operator: looks odd")
+    ledger.retry([sid])
+    ledger.claim(1, 100)
+    ledger.mark_extracted(sid, "p", 1, "c")  # same name, same bytes, but not yet synced
+    assert not ledger.mark_verified(listed, "stat")
+    assert ledger.sample(sid).status == "extracted"
+    assert ledger.mark_verified(ledger.sample(sid), "stat")

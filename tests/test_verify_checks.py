@@ -249,7 +249,8 @@ def test_compare_dumps_ids_shapes_and_nan(tmp_path: Path) -> None:
     nan_last[0, 0] = np.nan
     with_nan = Path(make_dump(folder(tmp_path, "nan"), seed=0, last=nan_last).path)
     assert compare_dumps(stored, with_nan, 0.5) == \
-        "last_hidden_state differs from the fresh capture: relative error nan > tolerance 0.5"
+        "last_hidden_state differs from the fresh capture: relative error nan in the 99% row " \
+        "> tolerance 0.5"
     os.unlink(with_nan)
     assert compare_dumps(stored, with_nan, 0.5).startswith("cannot read a dump to compare: ")
 
@@ -276,6 +277,34 @@ def test_compare_fp8_dumps_within_the_derived_bound(tmp_path: Path) -> None:
     problem = compare_dumps(stored, other, tolerance=0.02)
     assert problem.startswith("last_hidden_state differs from the fresh capture")
     assert problem.endswith("> tolerance 0.156")
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F8_E4M3"])
+def test_the_spot_check_judges_each_row_so_massive_activations_hide_nothing(tmp_path: Path,
+                                                                             dtype: str) -> None:
+    """A few tokens' massive activations hold most of a layer's norm: a capture with half its
+    rows unrelated must fail all the same, and a right one with bf16 noise on every value must
+    pass."""
+    rng = np.random.default_rng(7)
+    tokens = 64
+    aux = rng.standard_normal((tokens, 3 * HIDDEN))
+    last = rng.standard_normal((tokens, HIDDEN))
+    for states in (aux, last):
+        states[[0, 5]] *= 3000.0  # the attention sink and one more, as SmolLM2's layers have
+    stored = Path(make_dump(folder(tmp_path, "stored"), dtype=dtype, tokens=tokens, aux=aux,
+                            last=last).path)
+    noisy = [x * (1 + 2.0 ** -8 * rng.standard_normal(x.shape)) for x in (aux, last)]
+    fresh = Path(make_dump(folder(tmp_path, "fresh"), dtype=dtype, tokens=tokens, aux=noisy[0],
+                           last=noisy[1]).path)
+    assert compare_dumps(stored, fresh, tolerance=0.02) is None
+    half = [x.copy() for x in (aux, last)]
+    for x in half:
+        x[tokens // 2:] = rng.standard_normal(x[tokens // 2:].shape)
+    wrong = Path(make_dump(folder(tmp_path, "wrong"), dtype=dtype, tokens=tokens, aux=half[0],
+                           last=half[1]).path)
+    problem = compare_dumps(stored, wrong, tolerance=0.02)
+    assert problem is not None and problem.startswith("aux_hidden_state")
+    assert "differs from the fresh capture: relative error" in problem
 
 
 def test_fp8_values_dequantize_like_torch() -> None:

@@ -1,0 +1,127 @@
+"""What the daemon checks before any child starts: its folders, the dataset's capture contract
+and the config in force that children read."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from eagle3d.daemon.children import module_argv
+from eagle3d.daemon.plan_stage import PlanStage
+from eagle3d.daemon.reconcile import prepare_dirs
+from eagle3d.dataset import contract
+from eagle3d.statemachine import entry, layout
+from eagle3d.statemachine.config import (Config, ConfigError, load_config, reload_problem,
+                                          write_in_force)
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Decision, Stage
+from tests.conftest import smollm_contract, write_conversations
+
+
+@pytest.mark.parametrize("bits, who", [(0o020, "group"), (0o002, "everyone")])
+def test_a_state_folder_others_can_write_is_refused(config_factory, bits, who):
+    cfg = load_config(config_factory())
+    prepare_dirs(cfg)  # created 0o750 / 0o700 under any umask: accepted
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir):
+        folder.chmod(folder.stat().st_mode | bits)
+        with pytest.raises(ConfigError, match=f"{folder} is writable by its group or by "
+                                              f"everyone; run chmod go-w {folder}"):
+            prepare_dirs(cfg)
+        folder.chmod(0o750)
+    prepare_dirs(cfg)
+
+
+def planned_dataset(cfg: Config) -> Ledger:
+    """A dataset planned from `cfg`, as the planner leaves it: its capture contract (of
+    SmolLM2's real weights) and a ledger whose plan is complete."""
+    prepare_dirs(cfg)
+    contract.write(cfg.paths.dataset_dir, smollm_contract(cfg))
+    ledger = Ledger(layout.ledger(cfg.paths.state_dir))
+    data = cfg.data
+    ledger.add_planned([], [], {"plan.source": data.source, "plan.first": str(data.first),
+                                "plan.max_tokens": str(data.max_tokens),
+                                "plan.responses": data.responses, "plan.exhausted": "1",
+                                "plan.through": str(data.first + data.limit - 1)})
+    return ledger
+
+
+@pytest.mark.parametrize("section, values, named", [
+    ("target", {"dtype": "bfloat16"}, "[target] dtype is 'bfloat16', the contract says "
+                                      "'float32'"),
+    ("target", {"aux_layers": [3, 15, 27]}, "[target] aux_layers (layer ids) is [3, 15, 27]"),
+    ("extract", {"dump_dtype": "float8_e4m3fn"}, "[extract] dump_dtype is 'float8_e4m3fn'"),
+    ("generate", {"temperature": 0.7}, "[generate] is {"),
+])
+def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
+        config_factory, tmp_path, section, values, named):
+    """A restart with an edited contract key (the plan long complete) must not capture into the
+    dataset: the stage is failed with the key, the config and the contract named."""
+    write_conversations(tmp_path / "conv.jsonl", 4)
+    data = {"source": str(tmp_path / "conv.jsonl"), "format": "messages", "limit": 4,
+            "responses": "target"}
+    cfg = load_config(config_factory({"data": data}))
+    with planned_dataset(cfg) as ledger:
+        stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
+        assert stage.observe() == {"plan_complete": True, "blocked": None}
+        edited = load_config(config_factory({"data": data, section: values}))._replace(
+            paths=cfg.paths)
+        stage.cfg = edited  # a restart (or a reload) with the edit in force
+        facts = stage.observe()
+        assert not facts["plan_complete"]
+        reason = facts["blocked"]
+        assert named in reason and str(edited.path) in reason
+        assert str(layout.contract_file(cfg.paths.dataset_dir)) in reason
+        stage.step(Decision(Stage.FAILED, reason, Stage.PLAN))  # what derive makes of it
+        assert stage.child is None  # no planner, and no later stage, under the edited config
+        assert ledger.events_of(("contract_mismatch",))
+        # The edit undone, a reload is taken (not held against the blocked config) and the
+        # dataset goes on.
+        assert reload_problem(edited, cfg, old_fits=False) is None
+        assert "would break the dataset's capture contract" in reload_problem(edited, cfg)
+        stage.cfg = cfg
+        assert stage.observe() == {"plan_complete": True, "blocked": None}
+
+
+def test_other_weights_under_the_same_model_name_block_the_daemon(config_factory, tmp_path):
+    cfg = load_config(config_factory())
+    with planned_dataset(cfg) as ledger:
+        doc = contract.read(cfg.paths.dataset_dir)
+        doc["target_fingerprint"] = "0" * 32  # the model file replaced in place
+        contract.write(cfg.paths.dataset_dir, {k: v for k, v in doc.items() if k != "fingerprint"})
+        reason = PlanStage(cfg, ledger, tmp_path).observe()["blocked"]
+        assert "[target] model's weights (fingerprint) is " in reason
+
+
+def test_a_contract_without_generate_settings_keeps_its_fingerprint_and_stays_valid(tmp_path):
+    """Datasets made before the contract recorded [generate] keep working: their fingerprint
+    (in every dump's header) is unchanged, and no generate setting is held against them."""
+    old = {"format": 1, "target": "m", "target_fingerprint": "f", "dtype": "bfloat16",
+           "layer_ids": [2, 15, 27], "num_layers": 30}
+    before = "86c3cd5dbbb8ed680d8827dab7dde5df"  # fingerprint(old) before generate was recorded
+    assert contract.fingerprint(old) == before
+    written = contract.write(tmp_path, old)
+    assert contract.read_checked(tmp_path) == written
+    new = {**old, "generate": {"max_new_tokens": 512, "max_turns": 0, "temperature": 0.0,
+                               "top_p": 1.0, "seed": 0}}
+    assert contract.differences(old, new) == []
+    assert contract.fingerprint(new) != before
+    assert contract.differences(new, {**new, "generate": {**new["generate"], "seed": 1}}) == [
+        "generate: {'max_new_tokens': 512, 'max_turns': 0, 'temperature': 0.0, 'top_p': 1.0, "
+        "'seed': 0} -> {'max_new_tokens': 512, 'max_turns': 0, 'temperature': 0.0, 'top_p': "
+        "1.0, 'seed': 1}"]
+
+
+def test_a_hand_edited_config_in_force_never_reaches_a_child(config_factory):
+    """Children start from the config in force, never from the operator's file: one edited
+    behind the daemon's back (here to another dtype) is refused by the child, with the reason,
+    before it reads a setting; the one the daemon wrote runs."""
+    cfg = load_config(config_factory())
+    prepare_dirs(cfg)
+    path = write_in_force(cfg)
+    argv = module_argv(cfg, "eagle3d.capture.planner")
+    path.write_text(path.read_text().replace('dtype = "float32"', 'dtype = "bfloat16"'))
+    child = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert child.returncode == entry.REFUSED
+    assert f"{path} is not the config in force the daemon holds" in child.stderr
+    assert not layout.contract_file(cfg.paths.dataset_dir).exists()  # it planned nothing
