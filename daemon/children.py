@@ -20,7 +20,7 @@ from typing import IO, Sequence
 
 import psutil
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.lifecycle import die_with_parent
 
@@ -116,6 +116,58 @@ class Child:
         self.pid_file.unlink(missing_ok=True)
         log.info("stopped %s (pid %d): exit %d", self.name, self.proc.pid, code)
         return code
+
+
+BACKOFF_MAX_S = 60.0
+
+
+class Supervisor:
+    """The restart policy of one stage's child, as Supervisor runs its programs: STARTING and
+    RUNNING while a child is up, BACKOFF after an exit (2, 4, 8 … s, at most a minute), FATAL
+    once the restarts are used up or at once for an exit that would only repeat (entry.FINAL,
+    controller-runtime's terminal error): never retried until the operator retries (`clear`)."""
+
+    def __init__(self, limit_key: str, limit: int) -> None:
+        self.limit_key = limit_key  # "[extract] engine_max_restarts": where the limit is set
+        self.limit = limit
+        self.restarts = 0
+        self.retry_at = 0.0
+        self.fatal: str | None = None
+
+    @property
+    def may_start(self) -> bool:
+        return self.fatal is None and time.time() >= self.retry_at
+
+    @property
+    def state(self) -> str:
+        if self.fatal is not None:
+            return "fatal"
+        return "backoff" if time.time() < self.retry_at else "ready"
+
+    def exited(self, code: int | None, said: str, final: bool = False) -> str | None:
+        """An exit nobody asked for (`code` None: ended by the stage because a partner died):
+        back off and return None, or go FATAL and return the reason. `final`: the child said
+        why it can never work (a refusal, whatever its exit code)."""
+        self.restarts += 1
+        if final or code in entry.FINAL:
+            return self.terminal(f"{said}; see the log")
+        if self.restarts > self.limit:
+            return self.terminal(f"{said}, {self.restarts} times ({self.limit_key} = "
+                                 f"{self.limit}); see the log")
+        self.retry_at = time.time() + min(BACKOFF_MAX_S, 2.0 ** self.restarts)
+        return None
+
+    def terminal(self, reason: str) -> str:
+        """A failure that retrying cannot mend: FATAL with its reason."""
+        self.fatal = reason
+        self.retry_at = 0.0
+        return reason
+
+    def clear(self) -> None:
+        """The operator retried: from the start, with every restart again."""
+        self.fatal = None
+        self.restarts = 0
+        self.retry_at = 0.0
 
 
 def remaining(deadline: float, most: float) -> float:
