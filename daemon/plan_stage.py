@@ -15,8 +15,8 @@ from eagle3d.statemachine.config import PLANNER_STOP_GRACE_S, Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage
 
-CONTRACT_MISMATCH = ("the config does not match this dataset's capture contract; see the log for "
-                     "the differences, and point [paths] dataset_dir and state_dir at new folders "
+CONTRACT_MISMATCH = ("the config does not match this dataset's capture contract (the log lists "
+                     "the differences): point [paths] dataset_dir and state_dir at new folders "
                      "to start a new dataset")
 
 
@@ -81,10 +81,9 @@ class PlanStage:
         if code is None:
             return
         self.child = None
-        if code == entry.CONTRACT_MISMATCH:
-            self.supervisor.terminal(CONTRACT_MISMATCH)
-        elif code != entry.OK:
-            self.supervisor.exited(code, f"the planner exited with code {code}")
+        if code != entry.OK:
+            self.supervisor.exited(code, CONTRACT_MISMATCH if code == entry.CONTRACT_MISMATCH
+                                   else f"the planner exited with code {code}")
 
     def unblock(self, all_failed: bool) -> None:
         self.supervisor.clear()

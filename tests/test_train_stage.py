@@ -178,3 +178,31 @@ def test_train_node_is_for_the_other_nodes_only(config_factory, caplog):
     zero = config_factory({"train": {"nnodes": 2, "rendezvous": "127.0.0.1:29400"}})
     assert train_node.run(str(zero)) == entry.REFUSED
     assert "node_rank = 0 is the daemon's node" in caplog.text
+
+
+def test_an_evaluation_that_ends_after_the_manifest_changed_is_not_done(stage):
+    """The manifest is rewritten (an exclude) while the evaluation runs, and the evaluation exits
+    before the loop has left train: its drafter was trained on the old manifest, so no done.json;
+    the stage trains again."""
+    stage, cfg, monkeypatch = stage
+    current = [FINGERPRINT]
+    stage.fingerprint = lambda: current[0]
+    train_dir = cfg.paths.train_dir
+    layout.export_dir(train_dir).mkdir(parents=True)
+    (layout.export_dir(train_dir) / "config.json").write_text("{}")
+    train_files.ProgressWriter(train_dir, FINGERPRINT).write(train_files.DONE)
+    write = (f"from eagle3d.statemachine.train_files import write_eval\n"
+             f"write_eval({str(layout.eval_file(train_dir))!r}, "
+             "{'acceptance_length': 1.5, 'identical_to_greedy': True})")
+    monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.OK, write))
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    stage.step(TRAIN)
+    assert stage.child is not None and stage.child.name == "evaluate"
+    current[0] = "e" * 32  # an exclude rewrote the manifest
+    wait_for(lambda: stage.step(TRAIN) or stage.child is None, 30, "the evaluation's exit")
+    assert not stage.observe(Seen(None, current[0]))["train_done"]
+    assert not train_files.done_for(train_dir, FINGERPRINT)
+    assert [kind for _, kind, _ in stage.ledger.events_of(("train_stale", "drafter_done"))] == \
+        ["train_stale"]
+    stage.step(TRAIN)
+    assert stage.child is not None and stage.child.name == "trainer"
