@@ -143,7 +143,8 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping (within %.0f s)", STOP_BUDGET_S)
         self.stopping = True
-        for stage in self.stages:
+        # Last stage first: the trainer's checkpoint is never squeezed by the ingest's wait.
+        for stage in reversed(self.stages):
             stage.stop(deadline)
         self.ledger.requeue_inflight("daemon stopped")
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")

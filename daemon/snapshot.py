@@ -22,8 +22,8 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
     reason = decision.reason if decision else ""
     statuses = {s.name: (s.state_key, s.status()) for s in daemon.stages}
     eta = statuses[stage][1].get("eta_s") if stage in statuses else None
-    # The throughput and the spool's bytes are figures of the stage that ingests.
-    merged = {k: v for _, status in statuses.values() for k, v in status.items()}
+    # The throughput and the spool's bytes: figures of the stage that ingests.
+    ingest = next((status for _, status in statuses.values() if "rate" in status), {})
     gate = stages.gate(counts)
     return {
         "stage": "stopped" if final else "stopping" if daemon.stopping else (
@@ -36,11 +36,11 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
         "samples": {**{k: counts.get(k) for k in STATUSES},
                     "total": counts.total, "skipped": daemon.ledger.skipped_count()},
         "tokens": {"done": counts.done_tokens, "total": counts.wanted_tokens},
-        "rate": merged.get("rate", {}),
+        "rate": ingest.get("rate", {}),
         "eta_s": None if eta is None else round(eta, 1),
         "bytes": {"written": sum(counts.bytes.values()),
                   "projected": bytes_per_token * counts.wanted_tokens,
-                  "spool": merged.get("spool_bytes", 0)},
+                  "spool": ingest.get("spool_bytes", 0)},
         "disk": [{"role": x.role, "path": x.path, "free": x.free, "total": x.total}
                  for x in budgets.disks(daemon.cfg)],
         **dict(statuses.values()),
