@@ -140,9 +140,10 @@ class Supervisor:
 
     @property
     def state(self) -> str:
+        """Of a stage with no child running: "stopped", "backoff" or "fatal"."""
         if self.fatal is not None:
             return "fatal"
-        return "backoff" if time.time() < self.retry_at else "ready"
+        return "backoff" if time.time() < self.retry_at else "stopped"
 
     def exited(self, code: int | None, said: str, final: bool = False) -> str | None:
         """An exit nobody asked for (`code` None: ended by the stage because a partner died):

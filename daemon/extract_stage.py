@@ -126,8 +126,8 @@ class ExtractStage:
         self._ensure_ingest()
         self._engine_events()
         wanted = self._engine_wanted(decision)
-        if wanted == "start" or (wanted == "keep" and self.engine is not None):
-            self._ensure_engine()
+        if wanted != "stop":
+            self._ensure_engine(start=wanted == "start")
         elif self.engine is not None:
             log.info("stopping the engine: stage %s needs no target model", decision.stage.value)
             self.engine.stop(self.cfg.extract.engine_stop_grace_s)
@@ -153,13 +153,14 @@ class ExtractStage:
     def ready_engine(self) -> Engine | None:
         return self.engine if self.engine is not None and self.engine.ready else None
 
-    def _ensure_engine(self) -> None:
+    def _ensure_engine(self, start: bool) -> None:
+        """Reap an engine that exited; start one (backoff allowing) only where `start`."""
         if self.engine is not None:
             code = self.engine.poll()
             if code is None:
                 return
             self._engine_exited(code)
-        if not self.supervisor.may_start or self.contract is None:
+        if not start or not self.supervisor.may_start or self.contract is None:
             return
         try:
             self.engine = self.start_engine(self.cfg, self.pid_dir, self.contract)
@@ -290,8 +291,7 @@ class ExtractStage:
                      "tokens_per_s": round(tokens_rate, 1)},
             "spool_bytes": self.spool.bytes_waiting if self.spool else 0}
         if engine is None:
-            return {**out, "status": self.supervisor.state if self.supervisor.state != "ready"
-                    else "stopped", "kind": self.cfg.target.engine}
+            return {**out, "status": self.supervisor.state, "kind": self.cfg.target.engine}
         return {**out, "status": "ready" if engine.ready else "starting", "pid": engine.pid,
                 "kind": engine.kind, "device": engine.device,
                 "model": getattr(engine, "model", "") or self.cfg.target.model}

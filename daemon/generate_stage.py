@@ -148,7 +148,7 @@ class GenerateStage:
         self.supervisor.limit = cfg.generate.max_restarts
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": "running" if self.child else "stopped",
+        out: dict[str, Any] = {"status": "running" if self.child else self.supervisor.state,
                                "restarts": self.supervisor.restarts,
                                "rate_per_s": round(self.rate(), 3), "eta_s": self.eta(),
                                "blocked": self.supervisor.fatal}

@@ -100,7 +100,7 @@ TABLE = [
     ("a killed child counts like a crash", [-9, -9], False, 2, "fatal", True),
     ("a refusal is final at once", [entry.REFUSED], False, 1, "fatal", True),
     ("a contract mismatch is final at once", [entry.CONTRACT_MISMATCH], False, 1, "fatal", True),
-    ("an operator's retry starts afresh", [1, 1], True, 0, "ready", False),
+    ("an operator's retry starts afresh", [1, 1], True, 0, "stopped", False),
 ]
 
 
