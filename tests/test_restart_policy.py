@@ -136,3 +136,24 @@ def test_the_restart_policy_of_every_stage(made, what, codes, retry, restarts, s
         assert case.child() is None
     if len(codes) > 1 and blocked:
         assert f"{case.limit_key} = 1" in status["blocked"]
+
+
+def test_every_stage_has_the_one_shape(config_factory):
+    """The loop and the snapshot call every stage alike: the same methods, the same parameters,
+    and a status that always names its ETA and its blocking reason."""
+    import inspect
+
+    from eagle3d.daemon import stage as pipeline
+    cfg = load_config(config_factory())
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir):
+        folder.mkdir(parents=True)
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        built = pipeline.build(cfg, ledger, cfg.paths.state_dir, lambda *a: None, lambda: None)
+        names = [s.name for s in built.stages]
+        assert names == [s.value for s in Stage][:len(names)]
+        for stage in built.stages:
+            for method in ("observe", "step", "status", "stop", "unblock", "reconfigure"):
+                want = inspect.signature(getattr(pipeline.PipelineStage, method))
+                got = inspect.signature(getattr(type(stage), method))
+                assert list(got.parameters) == list(want.parameters), (stage.name, method)
+            assert {"eta_s", "blocked"} <= set(stage.status()), stage.name
