@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from eagle3d.daemon import control, requests
-from eagle3d.daemon import stage as pipeline
+from eagle3d.daemon import pipeline
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory

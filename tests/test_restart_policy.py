@@ -143,7 +143,7 @@ def test_every_stage_has_the_one_shape(config_factory):
     and a status that always names its ETA and its blocking reason."""
     import inspect
 
-    from eagle3d.daemon import stage as pipeline
+    from eagle3d.daemon import pipeline
     cfg = load_config(config_factory())
     for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir):
         folder.mkdir(parents=True)
