@@ -57,6 +57,8 @@ class Child:
         self.argv = list(argv)
         self.pid_file = Path(pid_dir) / f"{name}.json"
         self.started = time.time()
+        # A stop begun by `terminate`: the tree it signalled and when SIGKILL follows.
+        self._stopping: tuple[list[psutil.Process], float, float] | None = None
         self.proc = subprocess.Popen(self.argv, env=child_env(env), stdin=stdin, stdout=stdout,
                                      start_new_session=True, preexec_fn=die_with_parent,
                                      close_fds=True)
@@ -98,19 +100,38 @@ class Child:
             except psutil.Error:
                 pass
 
-    def stop(self, grace: float) -> int:
-        """SIGTERM to the whole tree, SIGKILL to what is left `grace` seconds later (the whole
-        stop takes no longer); returns the exit code."""
-        deadline = time.monotonic() + grace
+    def terminate(self, grace: float) -> None:
+        """Begin a stop without waiting for it: SIGTERM to the whole tree now, SIGKILL to what is
+        left `grace` seconds later, sent by `stopped()` or `stop()`. The loop goes on meanwhile
+        (a trainer's checkpoint may take longer than the watchdog allows a tick)."""
         tree = self.descendants()  # taken now: once the leader is gone its children are orphans
+        self._stopping = (tree, time.monotonic() + grace, grace)
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM, tree)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
-                            grace)
-        _, alive = psutil.wait_procs(tree, timeout=remaining(deadline, grace))
+
+    def stopped(self) -> bool:
+        """Whether a stop begun by `terminate` is over (ended at its grace's end if need be)."""
+        assert self._stopping is not None
+        if self.proc.poll() is None and time.monotonic() < self._stopping[1]:
+            return False
+        self.stop(0.0)
+        return True
+
+    def stop(self, grace: float) -> int:
+        """SIGTERM to the whole tree, SIGKILL to what is left `grace` seconds later (the whole
+        stop takes no longer; one begun by `terminate` keeps its own SIGKILL time, if sooner);
+        returns the exit code."""
+        if self._stopping is None:
+            self.terminate(grace)
+        assert self._stopping is not None
+        tree, kill_at, granted = self._stopping
+        kill_at = min(kill_at, time.monotonic() + grace)
+        try:
+            self.proc.wait(max(0.0, kill_at - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
+                        granted - max(0.0, self._stopping[1] - kill_at))
+        _, alive = psutil.wait_procs(tree, timeout=max(0.0, kill_at - time.monotonic()))
         self.signal(signal.SIGKILL, alive)
         code = self.proc.wait()
         self.pid_file.unlink(missing_ok=True)

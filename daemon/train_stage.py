@@ -56,8 +56,9 @@ class TrainStage:
         self.pid_dir = pid_dir
         self.fingerprint = fingerprint  # of the verified set the manifest must match
         self.child: Child | None = None
+        self.leaving: Child | None = None  # stopping since the pipeline left train
         self.started_for = ""  # the manifest fingerprint current when the child started
-        self.phase = "idle"  # idle | training | evaluating | done | failed
+        self.phase = "idle"  # idle | training | evaluating | stopping | done | failed
         self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts)
 
     @property
@@ -77,6 +78,11 @@ class TrainStage:
         if self.child is not None and (decision.underlying != Stage.TRAIN or
                                        decision.stage == Stage.FAILED):
             self._leave(decision)
+        if self.leaving is not None:
+            if not self.leaving.stopped():
+                return
+            self.leaving = None
+            self.phase = "idle"
         if decision.stage != Stage.TRAIN:
             return
         fingerprint = self.fingerprint()
@@ -101,13 +107,14 @@ class TrainStage:
 
     def _leave(self, decision: Decision) -> None:
         """The pipeline left train: the trainer checkpoints and exits on SIGTERM (an evaluation
-        simply ends); it resumes from that checkpoint when the pipeline comes back."""
+        simply ends); it resumes from that checkpoint when the pipeline comes back. Nothing
+        starts in its place until it is gone."""
         assert self.child is not None
         log.info("stopping the %s: stage %s (%s)", self.child.name, decision.stage.value,
                  decision.reason)
-        self.child.stop(self.cfg.train.stop_grace_s)
-        self.child = None
-        self.phase = "idle"
+        self.child.terminate(self.cfg.train.stop_grace_s)
+        self.leaving, self.child = self.child, None
+        self.phase = "stopping"
 
     def _finished(self, code: int, fingerprint: str) -> None:
         name = self.child.name if self.child else "trainer"
@@ -195,8 +202,9 @@ class TrainStage:
 
     def stop(self, deadline: float) -> None:
         """The trainer checkpoints on SIGTERM; then it, or the evaluation, is ended."""
-        if self.child is not None:
-            self.child.stop(remaining(deadline, self.cfg.train.stop_grace_s))
-            self.child = None
-            if self.phase in ("training", "evaluating"):
-                self.phase = "idle"
+        for child in (self.leaving, self.child):
+            if child is not None:
+                child.stop(remaining(deadline, self.cfg.train.stop_grace_s))
+        self.leaving = self.child = None
+        if self.phase in ("training", "evaluating", "stopping"):
+            self.phase = "idle"

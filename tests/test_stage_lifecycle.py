@@ -45,7 +45,7 @@ train_files.ProgressWriter(train, fingerprint).write(train_files.DONE)
 
 # The evaluation: measures once `go` exists (so the test decides when it ends).
 EVALUATE = """
-import os, pathlib, sys, time
+import pathlib, sys, time
 from eagle3d.statemachine import layout, train_files
 train, log, go = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
 open(log, "a").write("evaluate\\n")
