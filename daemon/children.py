@@ -57,7 +57,7 @@ class Child:
         self.argv = list(argv)
         self.pid_file = Path(pid_dir) / f"{name}.json"
         self.started = time.time()
-        # A stop begun by `terminate`: the tree it signalled and when SIGKILL follows.
+        # A stop begun by `terminate`: the tree it signalled, when, and when SIGKILL follows.
         self._stopping: tuple[list[psutil.Process], float, float] | None = None
         self.proc = subprocess.Popen(self.argv, env=child_env(env), stdin=stdin, stdout=stdout,
                                      start_new_session=True, preexec_fn=die_with_parent,
@@ -105,14 +105,15 @@ class Child:
         left `grace` seconds later, sent by `stopped()` or `stop()`. The loop goes on meanwhile
         (a trainer's checkpoint may take longer than the watchdog allows a tick)."""
         tree = self.descendants()  # taken now: once the leader is gone its children are orphans
-        self._stopping = (tree, time.monotonic() + grace, grace)
+        now = time.monotonic()
+        self._stopping = (tree, now, now + grace)
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM, tree)
 
     def stopped(self) -> bool:
         """Whether a stop begun by `terminate` is over (ended at its grace's end if need be)."""
         assert self._stopping is not None
-        if self.proc.poll() is None and time.monotonic() < self._stopping[1]:
+        if self.proc.poll() is None and time.monotonic() < self._stopping[2]:
             return False
         self.stop(0.0)
         return True
@@ -124,13 +125,13 @@ class Child:
         if self._stopping is None:
             self.terminate(grace)
         assert self._stopping is not None
-        tree, kill_at, granted = self._stopping
+        tree, sent, kill_at = self._stopping
         kill_at = min(kill_at, time.monotonic() + grace)
         try:
             self.proc.wait(max(0.0, kill_at - time.monotonic()))
         except subprocess.TimeoutExpired:
             log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
-                        granted - max(0.0, self._stopping[1] - kill_at))
+                        time.monotonic() - sent)
         _, alive = psutil.wait_procs(tree, timeout=max(0.0, kill_at - time.monotonic()))
         self.signal(signal.SIGKILL, alive)
         code = self.proc.wait()
