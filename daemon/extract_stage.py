@@ -92,6 +92,9 @@ class ExtractStage:
         self.disk_full_until = 0.0
         self.stopping = False
         self.borrower: EngineBorrower = _NoBorrower()
+        # Whether another stage's child still holds the GPUs (a trainer writing its checkpoint
+        # after the pipeline left train): an engine beside it would run out of memory.
+        self.gpus_taken: Callable[[], bool] = lambda: False
 
     def lend_engine_to(self, borrower: EngineBorrower) -> None:
         """`borrower` says when it needs the engine, and hears when it exits (a spot check in
@@ -160,7 +163,8 @@ class ExtractStage:
             if code is None:
                 return
             self._engine_exited(code)
-        if not start or not self.supervisor.may_start or self.contract is None:
+        if not start or not self.supervisor.may_start or self.contract is None or \
+                self.gpus_taken():
             return
         try:
             self.engine = self.start_engine(self.cfg, self.pid_dir, self.contract)

@@ -54,10 +54,13 @@ class Pipeline(NamedTuple):
 def build(cfg: Config, ledger: Ledger, pid_dir: Path, engine_factory: EngineFactory,
           heartbeat: Callable[[], None]) -> Pipeline:
     """The stages in their order, wired to what they lend each other: the engine (extract to
-    verify's spot check) and the verified set's fingerprint (verify to train)."""
+    verify's spot check), the verified set's fingerprint (verify to train), and the GPUs (no
+    engine starts while the trainer still holds them)."""
     extract = ExtractStage(cfg, ledger, pid_dir, engine_factory, heartbeat)
     verify = VerifyStage(cfg, ledger, lambda: extract.ready_engine)
     extract.lend_engine_to(verify)
+    train = TrainStage(cfg, ledger, pid_dir, verify.verified_fingerprint)
+    extract.gpus_taken = train.holds_gpus
     stages = (PlanStage(cfg, ledger, pid_dir), GenerateStage(cfg, ledger, pid_dir), extract,
-              verify, TrainStage(cfg, ledger, pid_dir, verify.verified_fingerprint))
+              verify, train)
     return Pipeline(stages, verify.verified_fingerprint)

@@ -65,6 +65,10 @@ class TrainStage:
     def dir(self) -> Path:
         return self.cfg.paths.train_dir
 
+    def holds_gpus(self) -> bool:
+        """A trainer or an evaluation is running, or still stopping."""
+        return self.child is not None or self.leaving is not None
+
     @property
     def failure(self) -> str | None:
         return self.supervisor.fatal

@@ -31,6 +31,7 @@ dataset, train, log, run = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]),
     sys.argv[4] == "run"
 note = lambda what: open(log, "a").write(what + "\\n")
 def checkpoint(*_):
+    time.sleep(1.0)  # a checkpoint takes its time
     note("checkpoint")
     sys.exit(0)
 signal.signal(signal.SIGTERM, checkpoint)
@@ -77,11 +78,13 @@ def pipeline(config_factory, tmp_path, monkeypatch):
     ledger = Ledger(layout.ledger(cfg.paths.state_dir))
     engines: list[CountingEngine] = []
     stops: list[float] = []
+    log = tmp_path / "children.log"
 
     def factory(cfg: Config, pid_dir: Path, doc: dict[str, Any]) -> CountingEngine:
         engines.append(CountingEngine(doc["fingerprint"], ledger, stops=stops))
+        with open(log, "a") as f:
+            f.write("engine\n")
         return engines[-1]
-    log = tmp_path / "children.log"
     go = tmp_path / "go"
 
     def children(trainer_runs: bool) -> None:
@@ -118,7 +121,8 @@ def test_verify_full_during_train_stops_the_trainer_and_starts_no_engine(pipelin
 
     control.submit(cfg.paths.state_dir, "verify-full", {})
     seen.clear()
-    tick_until(lambda: [line.split()[0] for line in lines()] == ["train", "checkpoint", "train"],
+    tick_until(lambda: [line.split()[0] for line in lines()] == ["engine", "train", "checkpoint",
+                                                                  "train"],
                "the trainer stopped at a checkpoint and started again")
     assert Stage.VERIFY in seen and seen[-1] == Stage.TRAIN
     assert len(engines) == 1, "an engine was started that no sample needed"
@@ -141,3 +145,19 @@ def test_an_exclude_during_the_evaluation_trains_again_before_done(pipeline):
     assert [line for line in lines() if line.startswith("train")] == \
         [f"train {before}", f"train {after}"]
     assert train_files.done_for(cfg.paths.train_dir, after)
+
+
+def test_the_spot_checks_engine_waits_for_the_trainers_checkpoint(pipeline):
+    """An exclude during training changes the verified set, whose spot check the engine must
+    then run: it starts once the trainer has written its checkpoint and left the GPUs, never
+    beside it (SGLang at mem_fraction 0.85 beside a trainer ran out of memory)."""
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, _ = pipeline
+    children(trainer_runs=True)
+    tick_until(lambda: any(line.startswith("train") for line in lines()), "the trainer at work")
+    excluded = manifest.read(cfg.paths.dataset_dir)["samples"][0]["id"]
+    control.submit(cfg.paths.state_dir, "exclude", {"ids": [excluded], "reason": "test"})
+    tick_until(lambda: len([line for line in lines() if line.startswith("train")]) == 2,
+               "training again on the new manifest")
+    assert [line.split()[0] for line in lines()] == ["engine", "train", "checkpoint", "engine",
+                                                     "train"]
+    assert stops == [GRACE, GRACE]  # each engine stopped with its grace when train came
