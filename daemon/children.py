@@ -1,4 +1,5 @@
-"""The daemon's child processes: started, watched, stopped, and found again after a crash.
+"""The daemon's child processes: started, watched, stopped (always with their grace before
+SIGKILL), restarted by one policy (`Supervisor`), and found again after a crash.
 
 Each child runs in its own process group (so stopping it stops what it started too, such as
 torchrun's ranks), dies with the daemon (PR_SET_PDEATHSIG), and is recorded in a pid file with
