@@ -104,7 +104,10 @@ class Child:
     def terminate(self, grace: float) -> None:
         """Begin a stop without waiting for it: SIGTERM to the whole tree now, SIGKILL to what is
         left `grace` seconds later, sent by `stopped()` or `stop()`. The loop goes on meanwhile
-        (a trainer's checkpoint may take longer than the watchdog allows a tick)."""
+        (a trainer's checkpoint may take longer than the watchdog allows a tick), and several
+        children stop side by side within one grace. A stop begun already goes on as it was."""
+        if self._stopping is not None:
+            return
         tree = self.descendants()  # taken now: once the leader is gone its children are orphans
         now = time.monotonic()
         self._stopping = (tree, now, now + grace)

@@ -72,8 +72,7 @@ class GenerateStage:
             ended = self._round_end(decision)
             if ended is None:
                 return
-            self.child = None
-            self._stop_server()
+            self._end_round(self.grace)
             self._exited(*ended)
         if decision.stage != Stage.GENERATE or not self.supervisor.may_start:
             return
@@ -83,20 +82,18 @@ class GenerateStage:
 
     def _round_end(self, decision: Decision) -> tuple[int | None, str] | None:
         """How the running round (generator and server) ends, or None while it goes on: the
-        generator's exit; its server's death (the generator is ended; code None); or the stage
-        left (every answer written, a pause, a failure): the generator is ended now, so that its
-        server is down before the next stage starts one on the same port (on the H200 the
-        capture engine once came up beside the generation server, which answered its /health)."""
+        generator's exit; its server's death (code None); or the stage left (every answer
+        written, a failure). Both are then ended at once, so that the server is down before the
+        next stage starts one on the same port (on the H200 the capture engine once came up
+        beside the generation server, which answered its /health)."""
         assert self.child is not None
         code = self.child.poll()
         if code is not None:
             return code, f"the generator exited with code {code}"
         server_code = self.server.poll() if self.server is not None else None
         if server_code is not None:
-            self.child.stop(self.grace)
             return None, f"the SGLang generation server exited with code {server_code}"
         if decision.underlying != Stage.GENERATE or decision.stage == Stage.FAILED:
-            self.child.stop(self.grace)
             return entry.OK, "generation is over"
         return None
 
@@ -114,10 +111,14 @@ class GenerateStage:
         self.server = Child("generation-server", argv, self.pid_dir, env=env)
         return True
 
-    def _stop_server(self) -> None:
-        if self.server is not None:
-            self.server.stop(self.grace)
-            self.server = None
+    def _end_round(self, grace: float) -> None:
+        """The generator and its server stop side by side: one grace for both, not one each."""
+        children = [child for child in (self.child, self.server) if child is not None]
+        for child in children:
+            child.terminate(grace)
+        for child in children:
+            child.stop(grace)
+        self.child = self.server = None
 
     def _exited(self, code: int | None, why: str) -> None:
         """Whatever the generator still held goes back, with an attempt counted: a conversation
@@ -160,7 +161,4 @@ class GenerateStage:
 
     def stop(self, deadline: float) -> None:
         """What it holds goes back to ungenerated with the daemon's own requeue at its stop."""
-        for child in (self.child, self.server):
-            if child is not None:
-                child.stop(remaining(deadline, self.grace))
-        self.child = self.server = None
+        self._end_round(remaining(deadline, self.grace))

@@ -65,3 +65,15 @@ def test_a_stop_after_terminate_keeps_the_first_sigkill_time(tmp_path):
     began = time.monotonic()
     assert child.stop(10.0) == 0  # it waits for the checkpoint begun at the first SIGTERM
     assert 0.5 <= time.monotonic() - began < 5.0
+
+
+def test_children_stopped_side_by_side_share_one_grace(tmp_path):
+    """The generator and its SGLang server: one grace for both, not one after the other."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    children = [started(tmp_path / "a", 1.0), started(tmp_path / "b", 1.0)]
+    began = time.monotonic()
+    for child in children:
+        child.terminate(10.0)
+    assert [child.stop(10.0) for child in children] == [0, 0]
+    assert time.monotonic() - began < 1.9
