@@ -1,4 +1,5 @@
-"""The daemon's child processes: started, watched, stopped, and found again after a crash.
+"""The daemon's child processes: started, watched, stopped (always with their grace before
+SIGKILL), restarted by one policy (`Supervisor`), and found again after a crash.
 
 Each child runs in its own process group (so stopping it stops what it started too, such as
 torchrun's ranks), dies with the daemon (PR_SET_PDEATHSIG), and is recorded in a pid file with
@@ -20,7 +21,7 @@ from typing import IO, Sequence
 
 import psutil
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import Config, in_force_check
 from eagle3d.statemachine.lifecycle import die_with_parent
 
@@ -57,6 +58,8 @@ class Child:
         self.argv = list(argv)
         self.pid_file = Path(pid_dir) / f"{name}.json"
         self.started = time.time()
+        # A stop begun by `terminate`: the tree it signalled, when, and when SIGKILL follows.
+        self._stopping: tuple[list[psutil.Process], float, float] | None = None
         self.proc = subprocess.Popen(self.argv, env=child_env(env), stdin=stdin, stdout=stdout,
                                      start_new_session=True, preexec_fn=die_with_parent,
                                      close_fds=True)
@@ -98,24 +101,100 @@ class Child:
             except psutil.Error:
                 pass
 
-    def stop(self, grace: float) -> int:
-        """SIGTERM to the whole tree, SIGKILL to what is left `grace` seconds later (the whole
-        stop takes no longer); returns the exit code."""
-        deadline = time.monotonic() + grace
+    def terminate(self, grace: float) -> None:
+        """Begin a stop without waiting for it: SIGTERM to the whole tree now, SIGKILL to what is
+        left `grace` seconds later, sent by `stopped()` or `stop()`. The loop goes on meanwhile
+        (a trainer's checkpoint may take longer than the watchdog allows a tick), and several
+        children stop side by side within one grace. A stop begun already goes on as it was."""
+        if self._stopping is not None:
+            return
         tree = self.descendants()  # taken now: once the leader is gone its children are orphans
+        now = time.monotonic()
+        self._stopping = (tree, now, now + grace)
         if self.proc.poll() is None:
             self.signal(signal.SIGTERM, tree)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
-                            grace)
-        _, alive = psutil.wait_procs(tree, timeout=remaining(deadline, grace))
+
+    def stopped(self) -> bool:
+        """Whether a stop begun by `terminate` is over (ended at its grace's end if need be)."""
+        assert self._stopping is not None
+        if self.proc.poll() is None and time.monotonic() < self._stopping[2]:
+            return False
+        self.stop(0.0)
+        return True
+
+    def stop(self, grace: float) -> int:
+        """SIGTERM to the whole tree, SIGKILL to what is left `grace` seconds later (the whole
+        stop takes no longer; one begun by `terminate` keeps its own SIGKILL time, if sooner);
+        returns the exit code."""
+        if self._stopping is None:
+            self.terminate(grace)
+        assert self._stopping is not None
+        tree, sent, kill_at = self._stopping
+        kill_at = min(kill_at, time.monotonic() + grace)
+        try:
+            self.proc.wait(max(0.0, kill_at - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
+                        time.monotonic() - sent)
+        _, alive = psutil.wait_procs(tree, timeout=max(0.0, kill_at - time.monotonic()))
         self.signal(signal.SIGKILL, alive)
         code = self.proc.wait()
         self.pid_file.unlink(missing_ok=True)
         log.info("stopped %s (pid %d): exit %d", self.name, self.proc.pid, code)
         return code
+
+
+BACKOFF_MAX_S = 60.0
+
+
+class Supervisor:
+    """The restart policy of one stage's child, as Supervisor runs its programs: STARTING and
+    RUNNING while a child is up, BACKOFF after an exit (2, 4, 8 … s, at most a minute), FATAL
+    once the restarts are used up or at once for an exit that would only repeat (entry.FINAL,
+    controller-runtime's terminal error): never retried until the operator retries (`clear`)."""
+
+    def __init__(self, limit_key: str, limit: int) -> None:
+        self.limit_key = limit_key  # "[extract] engine_max_restarts": where the limit is set
+        self.limit = limit
+        self.restarts = 0
+        self.retry_at = 0.0
+        self.fatal: str | None = None
+
+    @property
+    def may_start(self) -> bool:
+        return self.fatal is None and time.time() >= self.retry_at
+
+    @property
+    def state(self) -> str:
+        """Of a stage with no child running: "stopped", "backoff" or "fatal"."""
+        if self.fatal is not None:
+            return "fatal"
+        return "backoff" if time.time() < self.retry_at else "stopped"
+
+    def exited(self, code: int | None, said: str, final: bool = False) -> str | None:
+        """An exit nobody asked for (`code` None: ended by the stage because a partner died):
+        back off and return None, or go FATAL and return the reason. `final`: the child said
+        why it can never work (a refusal, whatever its exit code)."""
+        self.restarts += 1
+        if final or code in entry.FINAL:
+            return self.terminal(f"{said}; see the log")
+        if self.restarts > self.limit:
+            return self.terminal(f"{said}, {self.restarts} times ({self.limit_key} = "
+                                 f"{self.limit}); see the log")
+        self.retry_at = time.time() + min(BACKOFF_MAX_S, 2.0 ** self.restarts)
+        return None
+
+    def terminal(self, reason: str) -> str:
+        """A failure that retrying cannot mend: FATAL with its reason."""
+        self.fatal = reason
+        self.retry_at = 0.0
+        return reason
+
+    def clear(self) -> None:
+        """The operator retried: from the start, with every restart again."""
+        self.fatal = None
+        self.restarts = 0
+        self.retry_at = 0.0
 
 
 def remaining(deadline: float, most: float) -> float:

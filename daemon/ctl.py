@@ -172,18 +172,18 @@ def render_status(st: dict[str, Any]) -> str:
         f"written {human_bytes(b.get('written', 0))} of {human_bytes(b.get('projected', 0))} "
         "projected"]))
     gen = st.get("generate", {})
-    if gen.get("status") == "running" or gen.get("problem"):
+    if gen.get("status") == "running" or gen.get("blocked"):
         lines.append(f"generator {gen['status']}" + (f", pid {gen['pid']}" if gen.get("pid") else "")
                      + f", {gen.get('rate_per_s', 0):.2f} conversations/s, "
                      f"{gen.get('restarts', 0)} restarts"
-                     + (f": {gen['problem']}" if gen.get("problem") else ""))
+                     + (f": {gen['blocked']}" if gen.get("blocked") else ""))
     e = st.get("engine", {})
     if e:
         extra = f", pid {e['pid']}" if e.get("pid") else ""
         extra += f", {e['device']}" if e.get("device") else ""
         lines.append(f"engine    {e.get('status', '-')} ({e.get('kind', '?')}{extra}), "
                      f"{e.get('restarts', 0)} restarts" +
-                     (f": {e['problem']}" if e.get("problem") else ""))
+                     (f": {e['blocked']}" if e.get("blocked") else ""))
     if trainer:
         parts = [trainer.get("status", "idle")]
         early = trainer.get("before_first_step")
@@ -200,8 +200,8 @@ def render_status(st: dict[str, Any]) -> str:
             parts.append(f"{trainer['tokens_per_s']:,.0f} tokens/s")
         if "acceptance_length" in trainer:
             parts.append(f"acceptance length {trainer['acceptance_length']:.2f}")
-        if trainer.get("failure"):
-            parts.append(trainer["failure"])
+        if trainer.get("blocked"):
+            parts.append(trainer["blocked"])
         lines.append("trainer   " + " · ".join(parts))
     g = st.get("gate", {})
     if g:

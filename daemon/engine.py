@@ -19,6 +19,7 @@ from typing import Any
 
 from eagle3d.daemon.children import Child, module_argv, remaining
 from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.ledger import token_ids
 
 log = logging.getLogger("eagle3d")
 
@@ -184,6 +185,11 @@ class SGLangEngine:
         self.startup.stop()
         self.client.close()
         return self.child.stop(grace)
+
+
+def plan_batch_item(sid: str, ids: bytes, mask: bytes) -> dict[str, Any]:
+    """A sample as the engine protocol carries it, from the ledger's planned tokens."""
+    return {"id": sid, "input_ids": token_ids(ids), "loss_mask": list(mask)}
 
 
 def deliver_redirected(spool: Path, redirected: dict[str, Path]) -> None:

@@ -2,8 +2,10 @@
 needs the target), dispatch of pending samples within the in-flight bounds, the ingest threads
 that turn spooled dumps into dataset files, in-flight expiry, the rates and the disk budgets.
 
-The engine is also lent to the verify stage for its spot check, so it is kept through verify
-when spot checks are on, and through a pause: resuming must not pay the model load again.
+The engine is also lent to the verify stage for its spot check. An engine loads its model for
+minutes, so it is started only when a sample needs it (one to extract, or a spot check due) and,
+once up, kept through verify while spot checks are on and through a pause: it is never started
+only to be stopped, and every stop gives it [extract] engine_stop_grace_s before SIGKILL.
 """
 
 from __future__ import annotations
@@ -17,20 +19,18 @@ from typing import Any, Callable, Protocol
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon import budgets
-from eagle3d.daemon.children import remaining
+from eagle3d.daemon.children import Supervisor, remaining
 from eagle3d.daemon.durability import GroupSync
-from eagle3d.daemon.engine import EngineUnavailable, start_engine
+from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskFull, Ingestor
 from eagle3d.daemon.spool import Spool
-from eagle3d.daemon.verify_stage import plan_batch_item
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
-from eagle3d.statemachine.stages import Decision, Stage
+from eagle3d.statemachine.stages import Decision, Seen, Stage
 
 log = logging.getLogger("eagle3d")
 
-ENGINE_STOP_GRACE = 30.0
 DISK_FULL_BACKOFF_S = 5.0
 RATE_WINDOW_S = 60.0
 
@@ -51,17 +51,37 @@ class Engine(Protocol):
 EngineFactory = Callable[[Config, Path, dict[str, Any]], Engine]
 
 
+class EngineBorrower(Protocol):
+    """A stage the engine is lent to (verify's spot check)."""
+
+    def needs_engine(self) -> bool: ...
+    def engine_exited(self) -> None: ...
+
+
+class _NoBorrower:
+    def needs_engine(self) -> bool:
+        return False
+
+    def engine_exited(self) -> None:
+        pass
+
+
 class ExtractStage:
+    name = Stage.EXTRACT.value
+    state_key = "engine"
+
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path,
-                 engine_factory: EngineFactory = start_engine) -> None:
+                 engine_factory: EngineFactory = start_engine,
+                 heartbeat: Callable[[], None] = lambda: None) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.pid_dir = pid_dir
         self.start_engine = engine_factory
+        self.heartbeat = heartbeat  # publishes the state while a stop drains the engine
         self.engine: Engine | None = None
-        self.restarts = 0
-        self.retry_at = 0.0
-        self.problem: str | None = None
+        self.supervisor = Supervisor("[extract] engine_max_restarts",
+                                     cfg.extract.engine_max_restarts)
+        self.seen: Seen | None = None
         self.contract: dict[str, Any] | None = None
         # Opened before anything is written, to hear of every write-back error (durability.py).
         self.group_sync = GroupSync(cfg.paths.dataset_dir)
@@ -71,13 +91,21 @@ class ExtractStage:
         self.ingest_lock = threading.Lock()
         self.disk_full_until = 0.0
         self.stopping = False
-        # Told when the engine exits, so that a spot check in flight starts over with the next.
-        self.on_engine_exit: Callable[[], None] = lambda: None
+        self.borrower: EngineBorrower = _NoBorrower()
+        # Whether another stage's child still holds the GPUs (a trainer writing its checkpoint
+        # after the pipeline left train): an engine beside it would run out of memory.
+        self.gpus_taken: Callable[[], bool] = lambda: False
+
+    def lend_engine_to(self, borrower: EngineBorrower) -> None:
+        """`borrower` says when it needs the engine, and hears when it exits (a spot check in
+        flight starts over with the next)."""
+        self.borrower = borrower
 
     # ---- the stage's facts ----------------------------------------------------------------
 
-    def observe(self, counts: Counts) -> dict[str, Any]:
-        return {"blocked": self.problem, "budget_pause": self.budget_pause(counts)}
+    def observe(self, seen: Seen) -> dict[str, Any]:
+        self.seen = seen
+        return {"blocked": self.supervisor.fatal, "budget_pause": self.budget_pause(seen.counts)}
 
     def budget_pause(self, counts: Counts) -> str | None:
         bpt = int(self.ledger.meta("plan.bytes_per_token", "0") or 0)
@@ -100,39 +128,48 @@ class ExtractStage:
             self.contract = capture_contract.read(self.cfg.paths.dataset_dir)
         self._ensure_ingest()
         self._engine_events()
-        needed = decision.underlying == Stage.EXTRACT or (decision.underlying == Stage.VERIFY
-                                                          and self.cfg.verify.spot_checks > 0)
-        if needed and decision.stage != Stage.FAILED:
-            self._ensure_engine()
-        elif self.engine is not None and (decision.underlying in (Stage.TRAIN, Stage.DONE)
-                                          or decision.stage == Stage.FAILED):
+        wanted = self._engine_wanted(decision)
+        if wanted != "stop":
+            self._ensure_engine(start=wanted == "start")
+        elif self.engine is not None:
             log.info("stopping the engine: stage %s needs no target model", decision.stage.value)
-            # One still loading holds nothing worth waiting for.
-            self.engine.stop(ENGINE_STOP_GRACE if self.engine.ready else 0)
+            self.engine.stop(self.cfg.extract.engine_stop_grace_s)
             self.engine = None
         if decision.underlying == Stage.EXTRACT:
             self._expire_inflight()
             if decision.stage == Stage.EXTRACT:
                 self._dispatch()
 
+    def _engine_wanted(self, decision: Decision) -> str:
+        """"start": a sample needs the engine now; "keep": one that is up may be needed soon (a
+        spot check once verify is through); "stop": no stage needs the target."""
+        if decision.stage == Stage.FAILED:
+            return "stop"
+        if decision.underlying == Stage.EXTRACT or (decision.underlying == Stage.VERIFY and
+                                                    self.borrower.needs_engine()):
+            return "start"
+        if decision.underlying == Stage.VERIFY and self.cfg.verify.spot_checks > 0:
+            return "keep"
+        return "stop"
+
     @property
     def ready_engine(self) -> Engine | None:
         return self.engine if self.engine is not None and self.engine.ready else None
 
-    def _ensure_engine(self) -> None:
+    def _ensure_engine(self, start: bool) -> None:
+        """Reap an engine that exited; start one (backoff allowing) only where `start`."""
         if self.engine is not None:
             code = self.engine.poll()
             if code is None:
                 return
             self._engine_exited(code)
-            if self.problem:
-                return
-        if time.time() < self.retry_at or self.contract is None or self.problem:
+        if not start or not self.supervisor.may_start or self.contract is None or \
+                self.gpus_taken():
             return
         try:
             self.engine = self.start_engine(self.cfg, self.pid_dir, self.contract)
         except EngineUnavailable as exc:
-            self.problem = str(exc)
+            self.supervisor.terminal(str(exc))
             log.error("cannot start the engine: %s", exc)
             self.ledger.event("engine_unavailable", str(exc))
 
@@ -144,21 +181,13 @@ class ExtractStage:
         for sid in held:
             self.ledger.mark_retry(sid, f"the engine exited with code {code}",
                                    self.cfg.extract.max_attempts)
-        self.on_engine_exit()
+        self.borrower.engine_exited()
         self.engine = None
-        self.restarts += 1
         self.ledger.event("engine_exit", f"code {code}, {len(held)} in-flight samples returned")
         log.warning("the engine exited with code %s; %d in-flight samples returned", code,
                     len(held))
-        limit = self.cfg.extract.engine_max_restarts
-        if refused:
-            self.problem = f"the engine cannot capture: {refused}"
-            return
-        if self.restarts > limit:
-            self.problem = (f"the engine exited {self.restarts} times ([extract] "
-                            f"engine_max_restarts = {limit}); see the log")
-            return
-        self.retry_at = time.time() + min(60.0, 2.0 ** self.restarts)
+        self.supervisor.exited(code, f"the engine cannot capture: {refused}" if refused else
+                               f"the engine exited with code {code}", final=bool(refused))
 
     def _engine_events(self) -> None:
         if self.engine is None:
@@ -250,24 +279,41 @@ class ExtractStage:
 
     # ---- status and stop ------------------------------------------------------------------
 
+    def eta(self) -> float | None:
+        _, tokens_rate = self.rates()
+        if self.seen is None or tokens_rate <= 0:
+            return None
+        return (self.seen.counts.wanted_tokens - self.seen.counts.done_tokens) / tokens_rate
+
     def status(self) -> dict[str, Any]:
         engine = self.engine
+        samples_rate, tokens_rate = self.rates()
+        out: dict[str, Any] = {
+            "restarts": self.supervisor.restarts, "eta_s": self.eta(),
+            "blocked": self.supervisor.fatal,
+            "rate": {"samples_per_s": round(samples_rate, 3),
+                     "tokens_per_s": round(tokens_rate, 1)},
+            "spool_bytes": self.spool.bytes_waiting if self.spool else 0}
         if engine is None:
-            return {"status": "stopped", "restarts": self.restarts,
-                    "kind": self.cfg.target.engine, "problem": self.problem}
-        return {"status": "ready" if engine.ready else "starting", "pid": engine.pid,
-                "restarts": self.restarts, "kind": engine.kind, "device": engine.device,
+            return {**out, "status": self.supervisor.state, "kind": self.cfg.target.engine}
+        return {**out, "status": "ready" if engine.ready else "starting", "pid": engine.pid,
+                "kind": engine.kind, "device": engine.device,
                 "model": getattr(engine, "model", "") or self.cfg.target.model}
 
-    def unblock(self) -> None:
-        self.problem = None
+    def unblock(self, all_failed: bool) -> None:
+        self.supervisor.clear()
 
-    def stop(self, deadline: float, publish: Callable[[], None]) -> None:
-        """Let the engine finish what it holds (until the deadline), stop it, and ingest what
-        it wrote: nothing in flight is lost, and what is left goes back to pending."""
+    def reconfigure(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.supervisor.limit = cfg.extract.engine_max_restarts
+
+    def stop(self, deadline: float) -> None:
+        """Let the engine finish what it holds (for up to its grace), stop it (its grace again),
+        and ingest what it wrote: nothing in flight is lost, and what is left goes back to
+        pending."""
         if self.engine is not None:
-            self._drain(deadline, publish)
-            self.engine.stop(remaining(deadline, 10.0))
+            self._drain(deadline)
+            self.engine.stop(remaining(deadline, self.cfg.extract.engine_stop_grace_s))
             self.engine = None
         if self.spool is not None:
             self.spool.rescan(force=True)
@@ -277,14 +323,15 @@ class ExtractStage:
             self.spool.stop()
             self.group_sync.flush(self.ledger)
 
-    def _drain(self, deadline: float, publish: Callable[[], None]) -> None:
+    def _drain(self, deadline: float) -> None:
         assert self.engine is not None
-        drain_until = time.monotonic() + remaining(deadline - 10.0, ENGINE_STOP_GRACE)
+        grace = self.cfg.extract.engine_stop_grace_s
+        drain_until = time.monotonic() + remaining(deadline - grace, grace)
         while time.monotonic() < drain_until and self.ledger.counts().get("inflight"):
             if self.engine.poll() is not None:
                 return
             self._engine_events()
             if self.spool is not None:
                 self.spool.rescan(force=True)
-            publish()
+            self.heartbeat()
             time.sleep(0.2)

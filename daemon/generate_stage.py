@@ -16,16 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, module_argv, remaining
+from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
 from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
-from eagle3d.statemachine.ledger import Counts, Ledger
-from eagle3d.statemachine.stages import Decision, Stage
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Decision, Seen, Stage
 
 log = logging.getLogger("eagle3d")
 
 RATE_WINDOW_S = 120.0
-STOP_GRACE_S = 30.0  # SGLang ends its scheduler processes on SIGTERM within seconds
 
 
 def generator_argv(cfg: Config) -> list[str]:
@@ -33,24 +32,29 @@ def generator_argv(cfg: Config) -> list[str]:
 
 
 class GenerateStage:
+    name = Stage.GENERATE.value
+    state_key = "generate"
+
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.pid_dir = pid_dir
         self.child: Child | None = None
         self.server: Child | None = None
-        self.restarts = 0
-        self.retry_at = 0.0
-        self.problem: str | None = None
+        self.supervisor = Supervisor("[generate] max_restarts", cfg.generate.max_restarts)
         # (time, conversations left to generate): the rate is how fast that falls.
         self.left: collections.deque[tuple[float, int]] = collections.deque()
 
-    def observe(self, counts: Counts) -> dict[str, Any]:
+    @property
+    def grace(self) -> float:
+        return self.cfg.extract.engine_stop_grace_s  # the generator and its server hold the target
+
+    def observe(self, seen: Seen) -> dict[str, Any]:
         now = time.time()
-        self.left.append((now, counts.get("ungenerated") + counts.get("generating")))
+        self.left.append((now, seen.counts.get("ungenerated") + seen.counts.get("generating")))
         while self.left and self.left[0][0] < now - RATE_WINDOW_S:
             self.left.popleft()
-        return {"blocked": self.problem}
+        return {"blocked": self.supervisor.fatal}
 
     def rate(self) -> float:
         """Conversations generated per second over the last two minutes."""
@@ -68,10 +72,9 @@ class GenerateStage:
             ended = self._round_end(decision)
             if ended is None:
                 return
-            self.child = None
-            self._stop_server()
+            self._end_round(self.grace)
             self._exited(*ended)
-        if decision.stage != Stage.GENERATE or self.problem or time.time() < self.retry_at:
+        if decision.stage != Stage.GENERATE or not self.supervisor.may_start:
             return
         if self.cfg.target.engine == "sglang" and not self._start_server():
             return
@@ -79,20 +82,18 @@ class GenerateStage:
 
     def _round_end(self, decision: Decision) -> tuple[int | None, str] | None:
         """How the running round (generator and server) ends, or None while it goes on: the
-        generator's exit; its server's death (the generator is ended; code None); or the ledger
-        holding every answer while the generator is still exiting: it is ended now, so that its
-        server is down before the next stage starts one on the same port (on the H200 the
-        capture engine once came up beside the generation server, which answered its /health)."""
+        generator's exit; its server's death (code None); or the stage left (every answer
+        written, a failure). Both are then ended at once, so that the server is down before the
+        next stage starts one on the same port (on the H200 the capture engine once came up
+        beside the generation server, which answered its /health)."""
         assert self.child is not None
         code = self.child.poll()
         if code is not None:
             return code, f"the generator exited with code {code}"
         server_code = self.server.poll() if self.server is not None else None
         if server_code is not None:
-            self.child.stop(STOP_GRACE_S)
             return None, f"the SGLang generation server exited with code {server_code}"
-        if decision.underlying != Stage.GENERATE:
-            self.child.stop(STOP_GRACE_S)
+        if decision.underlying != Stage.GENERATE or decision.stage == Stage.FAILED:
             return entry.OK, "generation is over"
         return None
 
@@ -105,17 +106,19 @@ class GenerateStage:
             except ValueError as exc:
                 problem = f"[sglang] {exc}"
         if problem is not None:
-            self.problem = problem
-            log.error("cannot start the SGLang generation server: %s", problem)
-            self.ledger.event("generate_failed", problem)
+            self._failed(self.supervisor.terminal(problem))
             return False
         self.server = Child("generation-server", argv, self.pid_dir, env=env)
         return True
 
-    def _stop_server(self) -> None:
-        if self.server is not None:
-            self.server.stop(STOP_GRACE_S)
-            self.server = None
+    def _end_round(self, grace: float) -> None:
+        """The generator and its server stop side by side: one grace for both, not one each."""
+        children = [child for child in (self.child, self.server) if child is not None]
+        for child in children:
+            child.terminate(grace)
+        for child in children:
+            child.stop(grace)
+        self.child = self.server = None
 
     def _exited(self, code: int | None, why: str) -> None:
         """Whatever the generator still held goes back, with an attempt counted: a conversation
@@ -127,29 +130,29 @@ class GenerateStage:
                                    frm=("generating",))
         if code == entry.OK:
             return
-        self.restarts += 1
         self.ledger.event("generator_exit", f"{why}, {len(held)} conversations returned")
-        limit = self.cfg.extract.engine_max_restarts
-        if code in entry.FINAL:
-            self.problem = f"the generator refused to run (exit {code}); see the log"
-        elif self.restarts > limit:
-            self.problem = (f"{why}, {self.restarts} times ([extract] "
-                            f"engine_max_restarts = {limit}); see the log")
-        else:
-            self.retry_at = time.time() + min(60.0, 2.0 ** self.restarts)
+        fatal = self.supervisor.exited(code, why)
+        if fatal is None:
             log.warning("%s; %d conversations returned; restarting", why, len(held))
-            return
-        log.error("%s", self.problem)
-        self.ledger.event("generate_failed", self.problem)
+        else:
+            self._failed(fatal)
 
-    def unblock(self) -> None:
-        self.problem = None
-        self.restarts = 0
+    def _failed(self, reason: str) -> None:
+        log.error("the generate stage stopped: %s", reason)
+        self.ledger.event("generate_failed", reason)
+
+    def unblock(self, all_failed: bool) -> None:
+        self.supervisor.clear()
+
+    def reconfigure(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.supervisor.limit = cfg.generate.max_restarts
 
     def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"status": "running" if self.child else "stopped",
-                               "restarts": self.restarts,
-                               "rate_per_s": round(self.rate(), 3), "problem": self.problem}
+        out: dict[str, Any] = {"status": "running" if self.child else self.supervisor.state,
+                               "restarts": self.supervisor.restarts,
+                               "rate_per_s": round(self.rate(), 3), "eta_s": self.eta(),
+                               "blocked": self.supervisor.fatal}
         if self.child is not None:
             out["pid"] = self.child.pid
         if self.server is not None:
@@ -158,9 +161,4 @@ class GenerateStage:
 
     def stop(self, deadline: float) -> None:
         """What it holds goes back to ungenerated with the daemon's own requeue at its stop."""
-        if self.child is not None:
-            self.child.stop(remaining(deadline, 10.0))
-            self.child = None
-        if self.server is not None:
-            self.server.stop(remaining(deadline, STOP_GRACE_S))
-            self.server = None
+        self._end_round(remaining(deadline, self.grace))

@@ -13,27 +13,39 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, module_argv, remaining
+from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import entry
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config import PLANNER_STOP_GRACE_S, Config
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Stage
+from eagle3d.statemachine.stages import Decision, Seen, Stage
 from eagle3d.target import loading
 
 log = logging.getLogger("eagle3d")
 
-MAX_FAILURES = 3
+CONTRACT_MISMATCH = ("the config does not match this dataset's capture contract (the log lists "
+                     "the differences): point [paths] dataset_dir and state_dir at new folders "
+                     "to start a new dataset")
+
+
+def planner_argv(cfg: Config) -> list[str]:
+    return module_argv(cfg, "eagle3d.capture.planner")
+
+
+def _supervisor(cfg: Config) -> Supervisor:
+    return Supervisor("[data] planner_max_restarts", cfg.data.planner_max_restarts)
 
 
 class PlanStage:
+    name = Stage.PLAN.value
+    state_key = "planner"
+
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
         self.cfg = cfg
         self.ledger = ledger
         self.pid_dir = pid_dir
         self.child: Child | None = None
-        self.failures = 0
-        self.blocked: str | None = None
+        self.supervisor = _supervisor(cfg)
         # The config last judged against the capture contract, and the verdict: weighing the
         # target's weights reads a few MiB of each weight file, once per config in force.
         self._judged: tuple[Config, str | None] | None = None
@@ -81,40 +93,40 @@ class PlanStage:
                 f"(was {', '.join(str(meta('plan.' + k)) for k in changed)}); point [paths] "
                 "state_dir and dataset_dir at new folders to start a new dataset")
 
-    def observe(self) -> dict[str, Any]:
-        return {"plan_complete": self.complete(), "blocked": self.blocked or self.conflict()}
+    def observe(self, seen: Seen) -> dict[str, Any]:
+        return {"plan_complete": self.complete(), "blocked": self.blocked}
+
+    @property
+    def blocked(self) -> str | None:
+        return self.supervisor.fatal or self.conflict()
 
     def step(self, decision: Decision) -> None:
         """Start the planner when the plan is wanted; reap it whenever it exits."""
         if self.child is None:
-            if decision.stage == Stage.PLAN:
-                self.child = Child("planner", module_argv(self.cfg, "eagle3d.capture.planner"),
-                                   self.pid_dir)
+            if decision.stage == Stage.PLAN and self.supervisor.may_start:
+                self.child = Child("planner", planner_argv(self.cfg), self.pid_dir)
             return
         code = self.child.poll()
         if code is None:
             return
         self.child = None
-        if code == entry.OK:
-            self.failures = 0
-        elif code == entry.CONTRACT_MISMATCH:
-            self.blocked = ("the config does not match this dataset's capture contract; see the "
-                            "log for the differences, and point [paths] dataset_dir and "
-                            "state_dir at new folders to start a new dataset")
-        else:
-            self.failures += 1
-            if self.failures >= MAX_FAILURES:
-                self.blocked = f"the planner failed {self.failures} times (exit {code}); see the log"
+        if code != entry.OK:
+            self.supervisor.exited(code, CONTRACT_MISMATCH if code == entry.CONTRACT_MISMATCH
+                                   else f"the planner exited with code {code}")
 
-    def unblock(self) -> None:
-        """The operator retried, or a new config was taken: try again."""
-        self.blocked = None
-        self.failures = 0
+    def unblock(self, all_failed: bool) -> None:
+        self.supervisor.clear()
+
+    def reconfigure(self, cfg: Config) -> None:
+        """A new config may mend what stopped the planner: it tries again."""
+        self.cfg = cfg
+        self.supervisor = _supervisor(cfg)
 
     def status(self) -> dict[str, Any]:
-        return {"running": self.child is not None, "failures": self.failures}
+        return {"status": "running" if self.child is not None else self.supervisor.state,
+                "restarts": self.supervisor.restarts, "eta_s": None, "blocked": self.blocked}
 
     def stop(self, deadline: float) -> None:
         if self.child is not None:
-            self.child.stop(remaining(deadline, 10.0))
+            self.child.stop(remaining(deadline, PLANNER_STOP_GRACE_S))
             self.child = None

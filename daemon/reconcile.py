@@ -19,31 +19,25 @@ import time
 from typing import Any
 
 from eagle3d.daemon import control, requests
+from eagle3d.daemon import pipeline
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.engine import start_engine
-from eagle3d.daemon.extract_stage import EngineFactory, ExtractStage
-from eagle3d.daemon.generate_stage import GenerateStage
+from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
-from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.snapshot import snapshot
-from eagle3d.daemon.train_stage import TrainStage
-from eagle3d.daemon.verify_stage import VerifyStage
 from eagle3d.statemachine import entry, layout, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
-from eagle3d.statemachine.config import (Config, ConfigError, daemon_problem, load_config,
-                                          reload_problem, write_in_force)
+from eagle3d.statemachine.config import (STOP_BUDGET_S, Config, ConfigError, daemon_problem,
+                                          load_config, reload_problem, write_in_force)
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Facts, Stage
+from eagle3d.statemachine.stages import Decision, Facts, Seen, Stage
 from eagle3d.statemachine.statefile import write_state
 
 log = logging.getLogger("eagle3d")
 
 TICK = 0.25
 STATE_EVERY = 1.0
-# The whole stop (planner, engine drain, trainer checkpoint, ingest) fits in this, inside the
-# unit's TimeoutStopSec=3min with room for systemd's own SIGKILL to never be needed.
-STOP_BUDGET_S = 150.0
 
 
 def prepare_dirs(cfg: Config) -> None:
@@ -83,13 +77,8 @@ class Daemon:
         self.config_problem: str | None = None
         self.decision: Decision | None = None
         self.stage_since = time.time()
-        self.plan = PlanStage(cfg, self.ledger, pid_dir)
-        self.generate = GenerateStage(cfg, self.ledger, pid_dir)
-        self.extract = ExtractStage(cfg, self.ledger, pid_dir, engine_factory)
-        self.verify = VerifyStage(cfg, self.ledger, lambda: self.extract.ready_engine)
-        self.train = TrainStage(cfg, self.ledger, pid_dir, self.verify.verified_fingerprint)
-        self.extract.on_engine_exit = self.verify.engine_exited
-        self.stages = (self.plan, self.generate, self.extract, self.verify, self.train)
+        self.stages, self.verified_fingerprint = pipeline.build(
+            cfg, self.ledger, pid_dir, engine_factory, heartbeat=self.publish)
         self._last_state = 0.0
         self._last_ping = 0.0
 
@@ -156,10 +145,9 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping (within %.0f s)", STOP_BUDGET_S)
         self.stopping = True
-        self.plan.stop(deadline)
-        self.generate.stop(deadline)
-        self.extract.stop(deadline, self.publish)
-        self.train.stop(deadline)
+        # Last stage first: the trainer's checkpoint is never squeezed by the ingest's wait.
+        for stage in reversed(self.stages):
+            stage.stop(deadline)
         self.ledger.requeue_inflight("daemon stopped")
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
@@ -186,13 +174,13 @@ class Daemon:
 
     def observe(self) -> Facts:
         counts = self.ledger.counts()
-        facts: dict[str, Any] = {}
-        blocked = []
         # The verified set's fingerprint costs a pass over it: only worth it once the gate is
         # open, when it changes rarely (per-sample cost must stay flat at a million samples).
-        fingerprint = self.verify.verified_fingerprint() if stages.gate(counts).open else None
-        for part in (self.plan.observe(), self.generate.observe(counts), self.extract.observe(
-                counts), self.verify.observe(fingerprint), self.train.observe(fingerprint)):
+        seen = Seen(counts, self.verified_fingerprint() if stages.gate(counts).open else None)
+        facts: dict[str, Any] = {}
+        blocked = []
+        for stage in self.stages:
+            part = stage.observe(seen)
             blocked.append(part.pop("blocked", None))
             facts.update(part)
         return Facts(counts=counts, operator_pause=self.ledger.meta("pause"),
@@ -200,8 +188,8 @@ class Daemon:
 
     def unblock(self, all_failed: bool) -> None:
         """An operator's retry: the stages try again what had stopped them."""
-        for stage in (self.plan, self.generate, self.extract, *([self.train] if all_failed else [])):
-            stage.unblock()
+        for stage in self.stages:
+            stage.unblock(all_failed)
 
     def reload(self) -> None:
         """SIGHUP: take a new config if it validates and keeps the dataset's contract."""
@@ -220,9 +208,7 @@ class Daemon:
             self.cfg = new
             self.config_problem = None
             for stage in self.stages:
-                stage.cfg = new
-            self.plan.unblock()
-            self.train.unblock()
+                stage.reconfigure(new)
             log.info("config reloaded from %s", new.path)
             self.ledger.event("reloaded", str(new.path))
         self.notifier.ready()

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from eagle3d.daemon.children import Child, end_orphans
-from eagle3d.daemon.train_stage import STOP_GRACE, trainer_argv
+from eagle3d.daemon.train_stage import trainer_argv
 from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import ConfigError, load_config
 
@@ -64,7 +64,7 @@ def run(config_path: str) -> int:
         while (code := child.poll()) is None and not stop.requested:
             time.sleep(POLL_S)
         if stop.requested:
-            child.stop(STOP_GRACE)
+            child.stop(cfg.train.stop_grace_s)
             break
         log.info("this node's trainer exited with code %d; waiting for node 0's next training",
                  code)

@@ -1,6 +1,11 @@
 """The train stage: torchrun with the drafter trainer, restarted from its last checkpoint when it
 dies (bounded), then the acceptance-length evaluation, then the `done.json` marker that ties
 the drafter to the manifest it was trained on.
+
+The manifest's fingerprint is taken when a child starts, and `done.json` is written only if it
+is still the current one when the evaluation exits: an exclude meanwhile trains again. Leaving
+the stage (`eagle3ctl verify --full`, an exclude) stops the trainer at a checkpoint (SIGTERM,
+then [train] stop_grace_s), so that no engine shares its GPUs and no file it reads is removed.
 """
 
 from __future__ import annotations
@@ -11,15 +16,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.daemon.children import Child, module_argv, remaining
+from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config, in_force_check
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Stage
+from eagle3d.statemachine.stages import Decision, Seen, Stage
 
 log = logging.getLogger("eagle3d")
-
-STOP_GRACE = 60.0
 
 
 def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
@@ -43,6 +46,9 @@ def eval_argv(cfg: Config) -> list[str]:
 
 
 class TrainStage:
+    name = Stage.TRAIN.value
+    state_key = "trainer"
+
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path,
                  fingerprint: Callable[[], str]) -> None:
         self.cfg = cfg
@@ -50,21 +56,37 @@ class TrainStage:
         self.pid_dir = pid_dir
         self.fingerprint = fingerprint  # of the verified set the manifest must match
         self.child: Child | None = None
-        self.phase = "idle"  # idle | training | evaluating | done | failed
-        self.restarts = 0
-        self.failure: str | None = None
-        self.retry_at = 0.0
+        self.leaving: Child | None = None  # stopping since the pipeline left train
+        self.started_for = ""  # the manifest fingerprint current when the child started
+        self.phase = "idle"  # idle | training | evaluating | stopping | done | failed
+        self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts)
 
     @property
     def dir(self) -> Path:
         return self.cfg.paths.train_dir
 
-    def observe(self, fingerprint: str | None) -> dict[str, Any]:
-        return {"train_done": train_files.done_for(self.dir, fingerprint),
+    def holds_gpus(self) -> bool:
+        """A trainer or an evaluation is running, or still stopping."""
+        return self.child is not None or self.leaving is not None
+
+    @property
+    def failure(self) -> str | None:
+        return self.supervisor.fatal
+
+    def observe(self, seen: Seen) -> dict[str, Any]:
+        return {"train_done": train_files.done_for(self.dir, seen.fingerprint),
                 "train_failed": self.failure}
 
     def step(self, decision: Decision) -> None:
         """One idempotent step towards a trained, exported and evaluated drafter."""
+        if self.child is not None and (decision.underlying != Stage.TRAIN or
+                                       decision.stage == Stage.FAILED):
+            self._leave(decision)
+        if self.leaving is not None:
+            if not self.leaving.stopped():
+                return
+            self.leaving = None
+            self.phase = "idle"
         if decision.stage != Stage.TRAIN:
             return
         fingerprint = self.fingerprint()
@@ -73,8 +95,9 @@ class TrainStage:
             if code is not None:
                 self._finished(code, fingerprint)
             return
-        if self.failure or time.time() < self.retry_at:
+        if not self.supervisor.may_start:
             return
+        self.started_for = fingerprint
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
         if train_files.trained_for(self.dir, fingerprint):
             self.phase = "evaluating"
@@ -87,10 +110,30 @@ class TrainStage:
                 self.cfg, layout.config_in_force(self.cfg.paths.state_dir)),
                 *in_force_check(self.cfg)], self.pid_dir)
 
+    def _leave(self, decision: Decision) -> None:
+        """The pipeline left train: the trainer checkpoints and exits on SIGTERM (an evaluation
+        simply ends); it resumes from that checkpoint when the pipeline comes back. Nothing
+        starts in its place until it is gone."""
+        assert self.child is not None
+        log.info("stopping the %s: stage %s (%s)", self.child.name, decision.stage.value,
+                 decision.reason)
+        self.child.terminate(self.cfg.train.stop_grace_s)
+        self.leaving, self.child = self.child, None
+        self.phase = "stopping"
+
     def _finished(self, code: int, fingerprint: str) -> None:
         name = self.child.name if self.child else "trainer"
         self.child = None
         result = train_files.read_eval(self.dir) if name == "evaluate" else None
+        if result is not None and fingerprint != self.started_for:
+            # The manifest changed while the evaluation ran (an exclude): the drafter it
+            # measured was trained on samples that are no longer the dataset. Train again.
+            self.phase = "idle"
+            detail = (f"the dataset changed during the evaluation (manifest {self.started_for} "
+                      f"then {fingerprint}): training again, done.json not written")
+            log.warning("%s", detail)
+            self.ledger.event("train_stale", detail)
+            return
         if result is not None:
             if code == entry.DIVERGED or not result.get("identical_to_greedy"):
                 # A measurement was made that only flags that speculative and greedy decoding
@@ -109,23 +152,19 @@ class TrainStage:
         if refused is not None:
             code = refused.code
         said = f"{name} exited with code {code}" + (f": {refused.reason}" if refused else "")
-        self.restarts += 1
-        final = code in entry.FINAL
-        if final or self.restarts > self.cfg.train.max_restarts:
-            self.failure = said + ("" if final else
-                                   f", {self.restarts} times ([train] max_restarts = "
-                                   f"{self.cfg.train.max_restarts})") + "; see the log"
-            if name == "trainer" and self.cfg.train.nnodes > 1 and refused is None:
-                self.failure += (f" (all {self.cfg.train.nnodes} nodes must take part: is "
-                                 "`eagle3d train-node` running on every other node?)")
+        if name == "trainer" and self.cfg.train.nnodes > 1 and refused is None:
+            said += (f" (all {self.cfg.train.nnodes} nodes must take part: is "
+                     "`eagle3d train-node` running on every other node?)")
+        supervisor = self.supervisor
+        fatal = supervisor.exited(code, said)
+        if fatal is not None:
             self.phase = "failed"
-            log.error("%s", self.failure)
-            self.ledger.event("train_failed", self.failure)
+            log.error("%s", fatal)
+            self.ledger.event("train_failed", fatal)
             return
-        delay = min(60.0, 2.0 ** self.restarts)
-        self.retry_at = time.time() + delay
-        detail = (f"{said}: restarting from its last checkpoint in {delay:.0f} s (restart "
-                  f"{self.restarts} of {self.cfg.train.max_restarts})")
+        detail = (f"{said}: restarting from its last checkpoint in "
+                  f"{supervisor.retry_at - time.time():.0f} s (restart {supervisor.restarts} of "
+                  f"{supervisor.limit})")
         log.warning("%s", detail)
         self.ledger.event("train_restart", detail)
 
@@ -137,12 +176,21 @@ class TrainStage:
             return train_files.Refused(code, "the target is not the dataset's model")
         return refused
 
-    def unblock(self) -> None:
-        self.failure = None
+    def unblock(self, all_failed: bool) -> None:
+        """Only `eagle3ctl retry --failed` retries a failed training (a retry of some samples
+        leaves it as it is)."""
+        if all_failed:
+            self.supervisor.clear()
+
+    def reconfigure(self, cfg: Config) -> None:
+        """A new config may mend what stopped the trainer: it tries again."""
+        self.cfg = cfg
+        self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts)
 
     def status(self) -> dict[str, Any]:
         progress = train_files.read_progress(self.dir)
-        out: dict[str, Any] = {"status": self.phase, "restarts": self.restarts}
+        out: dict[str, Any] = {"status": self.phase, "restarts": self.supervisor.restarts,
+                               "eta_s": None, "blocked": self.failure}
         if self.child is not None:
             out["pid"] = self.child.pid
             if self.phase == "training" and progress.get("status") in (train_files.LOADING,
@@ -155,14 +203,13 @@ class TrainStage:
         result = train_files.read_eval(self.dir)
         if result is not None:
             out["acceptance_length"] = result["acceptance_length"]
-        if self.failure:
-            out["failure"] = self.failure
         return out
 
     def stop(self, deadline: float) -> None:
         """The trainer checkpoints on SIGTERM; then it, or the evaluation, is ended."""
-        if self.child is not None:
-            self.child.stop(remaining(deadline, STOP_GRACE))
-            self.child = None
-            if self.phase in ("training", "evaluating"):
-                self.phase = "idle"
+        for child in (self.leaving, self.child):
+            if child is not None:
+                child.stop(remaining(deadline, self.cfg.train.stop_grace_s))
+        self.leaving = self.child = None
+        if self.phase in ("training", "evaluating", "stopping"):
+            self.phase = "idle"

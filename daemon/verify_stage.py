@@ -20,9 +20,10 @@ from typing import Any, Callable
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset import dumpformat
 from eagle3d.daemon.durability import SyncFs, doubt_settled, page_cache_doubt
+from eagle3d.daemon.engine import plan_batch_item
 from eagle3d.statemachine import layout, manifest, stages
 from eagle3d.statemachine.config import Config
-from eagle3d.statemachine.ledger import Counts, Ledger, token_ids
+from eagle3d.statemachine.ledger import Ledger
 
 log = logging.getLogger("eagle3d")
 
@@ -189,16 +190,15 @@ def write_manifest(cfg: Config, ledger: Ledger, contract: dict[str, Any]) -> str
     return doc["fingerprint"]
 
 
-def plan_batch_item(sid: str, ids: bytes, mask: bytes) -> dict[str, Any]:
-    """A sample as the engine protocol carries it, from the ledger's planned tokens."""
-    return {"id": sid, "input_ids": token_ids(ids), "loss_mask": list(mask)}
-
-
 class VerifyStage:
     """Verify passes until nothing is left extracted, then (with the gate open) the spot check,
     then the manifest that lets training start."""
 
+    name = stages.Stage.VERIFY.value
+    state_key = "verify"
+
     def __init__(self, cfg: Config, ledger: Ledger, engine: Callable[[], Any]) -> None:
+        self.cfg = cfg
         self.ledger = ledger
         self.engine = engine  # the extract stage's engine once ready, lent for the spot check
         # Opened before anything is written, to hear of every write-back error (durability.py).
@@ -206,18 +206,13 @@ class VerifyStage:
         self.runner: VerifyRunner | None = None
         self.contract: dict[str, Any] | None = None
         self.spot = SpotCheck(cfg, ledger)
-        self.cfg = cfg
+        self.seen: stages.Seen | None = None
         self._fingerprint: tuple[int, str] = (-1, "")
         self._manifest: tuple[int, str | None] = (-1, None)
 
-    @property
-    def cfg(self) -> Config:
-        return self._cfg
-
-    @cfg.setter
-    def cfg(self, cfg: Config) -> None:
-        """A reloaded config reaches the spot check and the verify passes too."""
-        self._cfg = self.spot.cfg = cfg
+    def reconfigure(self, cfg: Config) -> None:
+        """The spot check and the verify passes take the new config too."""
+        self.cfg = self.spot.cfg = cfg
         if self.runner is not None:
             self.runner.cfg = cfg
 
@@ -240,8 +235,9 @@ class VerifyStage:
             self._manifest = (mtime, doc.get("fingerprint") if doc else None)
         return self._manifest[1]
 
-    def observe(self, fingerprint: str | None) -> dict[str, Any]:
-        """`fingerprint`: the verified set's, once the gate is open (None before)."""
+    def observe(self, seen: stages.Seen) -> dict[str, Any]:
+        self.seen = seen
+        fingerprint = seen.fingerprint
         spot = self.spot.result(fingerprint) if fingerprint else None
         return {"verify_complete": bool(fingerprint and spot and spot[0]
                                         and self.manifest_fingerprint() == fingerprint),
@@ -271,15 +267,35 @@ class VerifyStage:
             return
         write_manifest(self.cfg, self.ledger, self.contract)
 
+    def needs_engine(self) -> bool:
+        """A spot check is due (or in flight): every sample is verified, and this verified set
+        has no verdict yet. Not before: an engine loads its model for minutes, and a pass that
+        ends with the verdict already recorded (`eagle3ctl verify --full`) needs none."""
+        seen = self.seen
+        if seen is None or seen.fingerprint is None or seen.counts.get("extracted") or (
+                self.runner is not None and self.runner.running):
+            return False
+        return self.spot.waiting or self.spot.result(seen.fingerprint) is None
+
     def engine_exited(self) -> None:
         self.spot.abandon()
 
-    def status(self) -> dict[str, Any] | None:
-        if self.runner is None:
-            return None
-        return {"done": self.runner.done, "total": self.runner.total,
-                "running": self.runner.running, "failures": self.runner.failures}
-
-    def eta(self, counts: Counts) -> float | None:
+    def eta(self) -> float | None:
         rate = self.runner.rate() if self.runner else 0.0
-        return counts.bytes.get("extracted", 0) / rate if rate > 0 else None
+        left = self.seen.counts.bytes.get("extracted", 0) if self.seen else 0
+        return left / rate if rate > 0 else None
+
+    def status(self) -> dict[str, Any]:
+        runner = self.runner
+        return {"done": runner.done if runner else 0, "total": runner.total if runner else 0,
+                "running": bool(runner and runner.running),
+                "failures": runner.failures if runner else 0, "eta_s": self.eta(),
+                "blocked": None}
+
+    def unblock(self, all_failed: bool) -> None:
+        """Nothing of its own stops it: a failed spot check fails the pipeline until the
+        operator points it at a new dataset."""
+
+    def stop(self, deadline: float) -> None:
+        """A pass in flight is a thread that marks each sample in its own transaction: the
+        daemon's exit ends it between two, and the next start verifies the rest."""

@@ -36,6 +36,10 @@ FORMATS = ("auto", "sharegpt", "messages")
 RESPONSES = ("dataset", "target")
 # Where the drafter learns the target's next token: after answer tokens only, or everywhere.
 LOSS_ON = ("answers", "all")
+# The daemon's whole stop (every child's grace) fits in this, inside the unit's TimeoutStopSec=3min
+# with room for systemd's own SIGKILL to never be needed (tests/test_systemd_unit.py holds them).
+STOP_BUDGET_S = 150.0
+PLANNER_STOP_GRACE_S = 10.0  # the planner commits each batch in one transaction: nothing to save
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3,
                "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2,
@@ -97,6 +101,7 @@ class DataConfig(NamedTuple):
     limit: int = 1000
     max_tokens: int = 2048
     responses: str = "dataset"  # "target": the target writes every assistant turn itself
+    planner_max_restarts: int = 2
     source_path: Path = Path()
 
 
@@ -108,6 +113,7 @@ class GenerateConfig(NamedTuple):
     seed: int = 0
     batch_size: int = 32  # conversations generated together
     max_attempts: int = 3
+    max_restarts: int = 5  # of the generator (and its SGLang server)
 
 
 class PathsConfig(NamedTuple):
@@ -130,6 +136,7 @@ class ExtractConfig(NamedTuple):
     inflight_timeout_s: float = 900.0
     max_attempts: int = 3
     engine_max_restarts: int = 5
+    engine_stop_grace_s: float = 30.0  # SIGTERM to SIGKILL, for every child holding the target
     ingest_threads: int = 4
     rescan_interval_s: float = 5.0
 
@@ -159,6 +166,7 @@ class TrainConfig(NamedTuple):
     grad_clip: float = 0.5
     checkpoint_every: int = 200
     max_restarts: int = 3
+    stop_grace_s: float = 60.0  # SIGTERM to SIGKILL: the trainer checkpoints in between
     seed: int = 0
     threads: int = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
 
@@ -397,10 +405,22 @@ def _check_nodes(chk: _Checker, train: TrainConfig) -> None:
                        "[train] nnodes = 1 the node trains alone: remove it")
 
 
+def _check_stop_graces(chk: _Checker, extract: ExtractConfig, train: TrainConfig) -> None:
+    """A stop drains the engine and stops it (one grace each), then stops the trainer: all of it
+    must fit the daemon's stop budget, or some child is killed before its grace is over."""
+    need = 2 * extract.engine_stop_grace_s + train.stop_grace_s + PLANNER_STOP_GRACE_S
+    if need > STOP_BUDGET_S:
+        raise chk.fail("train.stop_grace_s", f"with [extract] engine_stop_grace_s, makes a stop "
+                       f"of {need:.0f} s (twice the engine's grace, the trainer's and "
+                       f"{PLANNER_STOP_GRACE_S:.0f} s for the planner), over the daemon's stop "
+                       f"budget of {STOP_BUDGET_S:.0f} s inside the unit's TimeoutStopSec")
+
+
 _POS_INT = _typed(int, minimum=1)
 _NONNEG_INT = _typed(int, minimum=0)
 _POS_FLOAT = _typed(float, minimum=1e-9)
 _STR = _typed(str)
+_GRACE = _typed(float, minimum=1.0, maximum=STOP_BUDGET_S)
 
 
 def load_config(path: str | os.PathLike) -> Config:
@@ -438,7 +458,7 @@ def parse_config(raw: dict, path: Path) -> Config:
     data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
         "source": _STR, "format": _typed(str, choices=FORMATS), "first": _NONNEG_INT,
         "limit": _POS_INT, "max_tokens": _typed(int, minimum=8),
-        "responses": _typed(str, choices=RESPONSES)})
+        "responses": _typed(str, choices=RESPONSES), "planner_max_restarts": _NONNEG_INT})
     source_path = _existing(chk, "data.source", data.source, base)
     data = data._replace(source=_spelled(data.source, source_path), source_path=source_path)
 
@@ -457,7 +477,7 @@ def parse_config(raw: dict, path: Path) -> Config:
         "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _POS_INT,
         "max_inflight_tokens": _POS_INT, "max_inflight_samples": _POS_INT,
         "inflight_timeout_s": _POS_FLOAT, "max_attempts": _POS_INT,
-        "engine_max_restarts": _NONNEG_INT, "ingest_threads": _typed(int, minimum=1, maximum=64),
+        "engine_max_restarts": _NONNEG_INT, "engine_stop_grace_s": _GRACE, "ingest_threads": _typed(int, minimum=1, maximum=64),
         "rescan_interval_s": _POS_FLOAT})
     if "dump_dtype" not in extract_raw:
         # Configs from before dump precisions: the states are stored as the target computes them.
@@ -474,7 +494,8 @@ def parse_config(raw: dict, path: Path) -> Config:
     generate = chk.build(GenerateConfig, "generate", chk.section(raw, "generate"), {
         "max_new_tokens": _POS_INT, "max_turns": _NONNEG_INT, "temperature": _typed(float, minimum=0.0),
         "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _NONNEG_INT,
-        "batch_size": _typed(int, minimum=1, maximum=4096), "max_attempts": _POS_INT})
+        "batch_size": _typed(int, minimum=1, maximum=4096), "max_attempts": _POS_INT,
+        "max_restarts": _NONNEG_INT})
 
     train = chk.build(TrainConfig, "train", chk.section(raw, "train"), {
         "nproc": _typed(int, minimum=1, maximum=1024),
@@ -486,8 +507,10 @@ def parse_config(raw: dict, path: Path) -> Config:
         "max_steps": _NONNEG_INT, "batch_tokens": _POS_INT, "lr": _POS_FLOAT,
         "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
         "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,
-        "max_restarts": _NONNEG_INT, "seed": _NONNEG_INT, "threads": _NONNEG_INT})
+        "max_restarts": _NONNEG_INT, "stop_grace_s": _GRACE, "seed": _NONNEG_INT,
+        "threads": _NONNEG_INT})
     _check_nodes(chk, train)
+    _check_stop_graces(chk, extract, train)
 
     ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
         "source": _STR, "first": _NONNEG_INT, "limit": _POS_INT,

@@ -49,6 +49,12 @@ def gate(counts: Counts) -> Gate:
     return Gate(not blocking and counts.get("verified") > 0, blocking)
 
 
+class Seen(NamedTuple):
+    """What the loop reads once per tick for every stage's `observe`."""
+    counts: Counts
+    fingerprint: str | None  # the verified set's, once the gate is open (None before)
+
+
 class Facts(NamedTuple):
     counts: Counts
     plan_complete: bool

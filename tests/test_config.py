@@ -45,6 +45,15 @@ BAD = [
      "[train.rendezvous] expected node 0's HOST:PORT"),
     ("rendezvous on one node", {"train": {"rendezvous": "10.0.0.1:29400"}},
      "[train.rendezvous] is for a training over several nodes"),
+    ("no grace before SIGKILL", {"extract": {"engine_stop_grace_s": 0}},
+     "[extract.engine_stop_grace_s] must be at least 1"),
+    ("graces over the stop budget", {"extract": {"engine_stop_grace_s": 50},
+                                     "train": {"stop_grace_s": 60}},
+     "[train.stop_grace_s] with [extract] engine_stop_grace_s, makes a stop of 170 s"),
+    ("negative restarts", {"generate": {"max_restarts": -1}},
+     "[generate.max_restarts] must be at least 0"),
+    ("planner restarts as text", {"data": {"planner_max_restarts": "3"}},
+     "[data.planner_max_restarts] expected int"),
 ]
 
 

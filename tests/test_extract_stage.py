@@ -16,7 +16,7 @@ from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
-from eagle3d.statemachine.stages import Decision, Stage
+from eagle3d.statemachine.stages import Decision, Seen, Stage
 from tests.conftest import smollm_contract
 from tests.pipeline import wait_for
 from tests.test_ingest import H, sample_ids, write
@@ -114,7 +114,7 @@ def test_dispatch_stays_within_bounds_and_every_dump_is_ingested(setup):
         assert sorted(engines[0].submitted) == sorted(s.id for s in ledger.samples())
         assert stage.rates()[0] > 0
     finally:
-        stage.stop(time.monotonic() + 10, lambda: None)
+        stage.stop(time.monotonic() + 10)
 
 
 def test_an_engine_that_dies_returns_its_samples_and_is_restarted_then_given_up(setup):
@@ -131,14 +131,14 @@ def test_an_engine_that_dies_returns_its_samples_and_is_restarted_then_given_up(
         assert sorted(s.id for s in ledger.samples() if s.attempts == 1) == \
             sorted(engines[0].submitted)
         assert [kind for _, kind, _ in ledger.events_of(("engine_exit",))] == ["engine_exit"]
-        stage.retry_at = 0  # the backoff, elapsed
+        stage.supervisor.retry_at = 0  # the backoff, elapsed
         stage.step(EXTRACT)
         assert len(engines) == 2
         engines[1].exit_code = 1
         stage.step(EXTRACT)
-        assert "engine_max_restarts = 1" in stage.observe(ledger.counts())["blocked"]
+        assert "engine_max_restarts = 1" in stage.observe(Seen(ledger.counts(), None))["blocked"]
     finally:
-        stage.stop(time.monotonic() + 10, lambda: None)
+        stage.stop(time.monotonic() + 10)
 
 
 def test_a_full_spool_returns_samples_without_an_attempt_and_pauses(setup):
@@ -151,9 +151,9 @@ def test_a_full_spool_returns_samples_without_an_attempt_and_pauses(setup):
         stage.step(EXTRACT)
         assert ledger.counts().get("pending") == 10
         assert all(s.attempts == 0 for s in ledger.samples())
-        assert "filled up" in stage.observe(ledger.counts())["budget_pause"]
+        assert "filled up" in stage.observe(Seen(ledger.counts(), None))["budget_pause"]
     finally:
-        stage.stop(time.monotonic() + 10, lambda: None)
+        stage.stop(time.monotonic() + 10)
 
 
 def test_the_loop_reaches_train_with_every_sample_verified(setup):
@@ -178,9 +178,9 @@ def test_an_engine_that_knows_it_cannot_capture_is_not_restarted(setup):
         engines[0].problem = "the capture plugin wrote no ready file"
         engines[0].exit_code = 1
         stage.step(EXTRACT)
-        stage.retry_at = 0
+        stage.supervisor.retry_at = 0
         stage.step(EXTRACT)
         assert len(engines) == 1
-        assert "no ready file" in stage.observe(ledger.counts())["blocked"]
+        assert "no ready file" in stage.observe(Seen(ledger.counts(), None))["blocked"]
     finally:
-        stage.stop(time.monotonic() + 10, lambda: None)
+        stage.stop(time.monotonic() + 10)

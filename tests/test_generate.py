@@ -215,7 +215,7 @@ def sglang_config(config_factory, tmp_path, n: int) -> Path:
     """Answers by the SGLang engine; the stand-in server decodes with the real SmolLM2."""
     return messages_config(config_factory, tmp_path, n, target={"engine": "sglang"},
                            data={"responses": "target", "max_tokens": 256},
-                           generate={"max_new_tokens": 16, "batch_size": 2},
+                           generate={"max_new_tokens": 16, "batch_size": 2, "max_restarts": 0},
                            extract={"engine_max_restarts": 0},
                            sglang={"python": str(fake_sglang_python(tmp_path)),
                                    "port": free_port(), "startup_timeout_s": 120.0})
@@ -276,7 +276,7 @@ def test_a_generation_server_that_dies_stops_the_stage_with_its_reason(config_fa
                                                                       tmp_path):
     config = sglang_config(config_factory, tmp_path, 2)
     with DaemonProcess(config, env={"FAKE_SGLANG": "die-generating"}) as d:
-        st = d.status_until(lambda s: s["generate"].get("problem"), 300,
+        st = d.status_until(lambda s: s["generate"].get("blocked"), 300,
                             "the generate stage's problem")
-    assert "the SGLang generation server exited with code 3" in st["generate"]["problem"]
+    assert "the SGLang generation server exited with code 3" in st["generate"]["blocked"]
     assert st["samples"]["generating"] == 0 and st["samples"]["ungenerated"] == 2

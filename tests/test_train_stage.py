@@ -16,7 +16,7 @@ from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine import manifest as manifest_mod
 from eagle3d.statemachine.config import load_config, write_in_force
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Stage
+from eagle3d.statemachine.stages import Decision, Seen, Stage
 from tests.pipeline import wait_for
 
 TRAIN = Decision(Stage.TRAIN, "test", Stage.TRAIN)
@@ -47,10 +47,11 @@ def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
     stage, cfg, monkeypatch = stage
     monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
     step_until_idle(stage)
-    assert stage.restarts == 1 and stage.failure is None and stage.retry_at > time.time()
-    stage.retry_at = 0  # the backoff, elapsed
+    assert stage.supervisor.restarts == 1 and stage.failure is None and \
+        stage.supervisor.retry_at > time.time()
+    stage.supervisor.retry_at = 0  # the backoff, elapsed
     step_until_idle(stage)
-    assert "[train] max_restarts = 1" in stage.observe(FINGERPRINT)["train_failed"]
+    assert "[train] max_restarts = 1" in stage.observe(Seen(None, FINGERPRINT))["train_failed"]
     assert stage.status()["status"] == "failed"
 
 
@@ -59,7 +60,7 @@ def test_a_target_that_is_not_the_datasets_fails_at_once(stage):
     monkeypatch.setattr(train_stage, "trainer_argv",
                         lambda cfg, path: exits_with(entry.CONTRACT_MISMATCH))
     step_until_idle(stage)
-    assert stage.restarts == 1 and "not the dataset's model" in stage.failure
+    assert stage.supervisor.restarts == 1 and "not the dataset's model" in stage.failure
 
 
 def test_a_refusing_evaluation_fails_at_once_not_after_max_restarts(stage):
@@ -67,7 +68,7 @@ def test_a_refusing_evaluation_fails_at_once_not_after_max_restarts(stage):
     monkeypatch.setattr(train_files, "trained_for", lambda folder, fingerprint: True)
     monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.REFUSED))
     step_until_idle(stage)
-    assert stage.restarts == 1 and stage.retry_at == 0
+    assert stage.supervisor.restarts == 1 and stage.supervisor.retry_at == 0
     assert stage.failure == "evaluate exited with code 2; see the log"
     assert stage.status()["status"] == "failed"
 
@@ -78,7 +79,7 @@ def test_a_refusal_left_by_an_earlier_trainer_does_not_count(stage):
         entry.CONTRACT_MISMATCH, "an earlier trainer's target"))
     monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
     step_until_idle(stage)
-    assert stage.failure is None and stage.retry_at > time.time()
+    assert stage.failure is None and stage.supervisor.retry_at > time.time()
 
 
 @pytest.mark.slow
@@ -105,7 +106,7 @@ def test_a_contract_refusal_under_torchrun_fails_the_stage_with_its_reason(confi
         stage = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: fingerprint)
         step_until_idle(stage, 300)
         assert stage.status()["status"] == "failed", stage.status()
-        assert stage.restarts == 1 and stage.retry_at == 0
+        assert stage.supervisor.restarts == 1 and stage.supervisor.retry_at == 0
         assert "exited with code 3" in stage.failure
         assert "is not the model this dataset was captured with" in stage.failure
         assert [detail for _, kind, detail in ledger.events_of(("train_failed", "train_restart"))
@@ -124,7 +125,7 @@ def test_a_finished_training_is_evaluated_and_marked_done(stage):
              f"write_eval({str(layout.eval_file(train_dir))!r}, {report!r})")
     monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.DIVERGED, write))
     step_until_idle(stage)
-    assert stage.observe(FINGERPRINT)["train_done"]
+    assert stage.observe(Seen(None, FINGERPRINT))["train_done"]
     assert stage.status()["acceptance_length"] == 1.7
     assert [kind for _, kind, _ in stage.ledger.events_of(("eval_not_greedy", "drafter_done"))] \
         == ["eval_not_greedy", "drafter_done"]
@@ -177,3 +178,31 @@ def test_train_node_is_for_the_other_nodes_only(config_factory, caplog):
     zero = config_factory({"train": {"nnodes": 2, "rendezvous": "127.0.0.1:29400"}})
     assert train_node.run(str(zero)) == entry.REFUSED
     assert "node_rank = 0 is the daemon's node" in caplog.text
+
+
+def test_an_evaluation_that_ends_after_the_manifest_changed_is_not_done(stage):
+    """The manifest is rewritten (an exclude) while the evaluation runs, and the evaluation exits
+    before the loop has left train: its drafter was trained on the old manifest, so no done.json;
+    the stage trains again."""
+    stage, cfg, monkeypatch = stage
+    current = [FINGERPRINT]
+    stage.fingerprint = lambda: current[0]
+    train_dir = cfg.paths.train_dir
+    layout.export_dir(train_dir).mkdir(parents=True)
+    (layout.export_dir(train_dir) / "config.json").write_text("{}")
+    train_files.ProgressWriter(train_dir, FINGERPRINT).write(train_files.DONE)
+    write = (f"from eagle3d.statemachine.train_files import write_eval\n"
+             f"write_eval({str(layout.eval_file(train_dir))!r}, "
+             "{'acceptance_length': 1.5, 'identical_to_greedy': True})")
+    monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.OK, write))
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    stage.step(TRAIN)
+    assert stage.child is not None and stage.child.name == "evaluate"
+    current[0] = "e" * 32  # an exclude rewrote the manifest
+    wait_for(lambda: stage.step(TRAIN) or stage.child is None, 30, "the evaluation's exit")
+    assert not stage.observe(Seen(None, current[0]))["train_done"]
+    assert not train_files.done_for(train_dir, FINGERPRINT)
+    assert [kind for _, kind, _ in stage.ledger.events_of(("train_stale", "drafter_done"))] == \
+        ["train_stale"]
+    stage.step(TRAIN)
+    assert stage.child is not None and stage.child.name == "trainer"

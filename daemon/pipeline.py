@@ -1,0 +1,66 @@
+"""The one shape of every stage, and the list of stages: the loop (reconcile.py) and the state
+file (snapshot.py) iterate over that list, and only `build` names a stage.
+
+A stage owns its children (through children.Supervisor's one restart policy), its progress and
+its stop. Each tick it reports facts (`observe`) and takes one step for the decision `derive`
+made from every stage's facts (`step`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, NamedTuple, Protocol
+
+from eagle3d.daemon.extract_stage import EngineFactory, ExtractStage
+from eagle3d.daemon.generate_stage import GenerateStage
+from eagle3d.daemon.plan_stage import PlanStage
+from eagle3d.daemon.train_stage import TrainStage
+from eagle3d.daemon.verify_stage import VerifyStage
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Decision, Seen
+
+
+class PipelineStage(Protocol):
+    name: str       # the statemachine Stage it works for
+    state_key: str  # where state.toml publishes its status
+
+    def observe(self, seen: Seen) -> dict[str, Any]:
+        """Its facts (statemachine.stages.Facts fields); what stops it needing the operator under
+        "blocked"."""
+
+    def step(self, decision: Decision) -> None:
+        """One idempotent step for this tick's decision, whatever stage it names."""
+
+    def status(self) -> dict[str, Any]:
+        """For state.toml: its progress, "eta_s" (None when unknown) and "blocked"."""
+
+    def stop(self, deadline: float) -> None:
+        """End its children, each given its configured grace, never past `deadline`
+        (time.monotonic())."""
+
+    def unblock(self, all_failed: bool) -> None:
+        """The operator retried (`all_failed`: `eagle3ctl retry --failed`): try again."""
+
+    def reconfigure(self, cfg: Config) -> None:
+        """A reloaded config is in force from now on."""
+
+
+class Pipeline(NamedTuple):
+    stages: tuple[PipelineStage, ...]
+    verified_fingerprint: Callable[[], str]
+
+
+def build(cfg: Config, ledger: Ledger, pid_dir: Path, engine_factory: EngineFactory,
+          heartbeat: Callable[[], None]) -> Pipeline:
+    """The stages in their order, wired to what they lend each other: the engine (extract to
+    verify's spot check), the verified set's fingerprint (verify to train), and the GPUs (no
+    engine starts while the trainer still holds them)."""
+    extract = ExtractStage(cfg, ledger, pid_dir, engine_factory, heartbeat)
+    verify = VerifyStage(cfg, ledger, lambda: extract.ready_engine)
+    extract.lend_engine_to(verify)
+    train = TrainStage(cfg, ledger, pid_dir, verify.verified_fingerprint)
+    extract.gpus_taken = train.holds_gpus
+    stages = (PlanStage(cfg, ledger, pid_dir), GenerateStage(cfg, ledger, pid_dir), extract,
+              verify, train)
+    return Pipeline(stages, verify.verified_fingerprint)

@@ -1,0 +1,163 @@
+"""The daemon's whole loop with the operator's requests during training: the in-process engine
+of test_extract_stage (counting its starts and the grace of each stop) and small real processes
+standing in for the trainer and the evaluation, which write the files the real ones write."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from eagle3d.daemon import control, train_stage
+from eagle3d.daemon.reconcile import Daemon
+from eagle3d.statemachine import layout, manifest, train_files
+from eagle3d.statemachine.config import Config, load_config
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Stage
+from tests.pipeline import wait_for
+from tests.test_extract_stage import FakeEngine, plan
+
+GRACE = 7.0
+
+# The trainer: trains for the manifest in force (progress.json names it), exports, and either
+# exits or (RUN) keeps going until SIGTERM, when it checkpoints and exits, as drafter/train.py.
+TRAINER = """
+import pathlib, signal, sys, time
+from eagle3d.statemachine import layout, manifest, train_files
+dataset, train, log, run = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], \\
+    sys.argv[4] == "run"
+note = lambda what: open(log, "a").write(what + "\\n")
+def checkpoint(*_):
+    time.sleep(1.0)  # a checkpoint takes its time
+    note("checkpoint")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, checkpoint)
+fingerprint = manifest.read(dataset)["fingerprint"]
+note("train " + fingerprint)
+while run:
+    time.sleep(0.05)
+layout.export_dir(train).mkdir(parents=True, exist_ok=True)
+(layout.export_dir(train) / "config.json").write_text("{}")
+train_files.ProgressWriter(train, fingerprint).write(train_files.DONE)
+"""
+
+# The evaluation: measures once `go` exists (so the test decides when it ends).
+EVALUATE = """
+import pathlib, sys, time
+from eagle3d.statemachine import layout, train_files
+train, log, go = pathlib.Path(sys.argv[1]), sys.argv[2], pathlib.Path(sys.argv[3])
+open(log, "a").write("evaluate\\n")
+while not go.exists():
+    time.sleep(0.05)
+train_files.write_eval(layout.eval_file(train), {"acceptance_length": 1.5,
+                                                 "identical_to_greedy": True})
+"""
+
+
+class CountingEngine(FakeEngine):
+    def __init__(self, *args: Any, stops: list[float]) -> None:
+        super().__init__(*args)
+        self.stops = stops
+
+    def stop(self, grace: float) -> int:
+        self.stops.append(grace)
+        return super().stop(grace)
+
+
+@pytest.fixture
+def pipeline(config_factory, tmp_path, monkeypatch):
+    cfg = load_config(config_factory({
+        "extract": {"max_inflight_samples": 4, "engine_stop_grace_s": GRACE},
+        "verify": {"spot_checks": 2}}))
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    plan(cfg, 6)
+    ledger = Ledger(layout.ledger(cfg.paths.state_dir))
+    engines: list[CountingEngine] = []
+    stops: list[float] = []
+    log = tmp_path / "children.log"
+
+    def factory(cfg: Config, pid_dir: Path, doc: dict[str, Any]) -> CountingEngine:
+        engines.append(CountingEngine(doc["fingerprint"], ledger, stops=stops))
+        with open(log, "a") as f:
+            f.write("engine\n")
+        return engines[-1]
+    go = tmp_path / "go"
+
+    def children(trainer_runs: bool) -> None:
+        monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: [
+            sys.executable, "-c", TRAINER, str(cfg.paths.dataset_dir), str(cfg.paths.train_dir),
+            str(log), "run" if trainer_runs else "exit"])
+        monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: [
+            sys.executable, "-c", EVALUATE, str(cfg.paths.train_dir), str(log), str(go)])
+    daemon = Daemon(cfg, engine_factory=factory)
+    daemon.recover()
+    seen: list[Stage] = []
+
+    def tick_until(predicate, what: str) -> None:
+        def once() -> bool:
+            daemon.tick()
+            seen.append(daemon.decision.stage)
+            return predicate()
+        wait_for(once, 120, what, poll=0.05)
+    lines = lambda: log.read_text().split("\n")[:-1] if log.exists() else []  # noqa: E731
+    yield cfg, daemon, engines, stops, children, tick_until, lines, seen, go
+    daemon.shutdown()
+    ledger.close()
+
+
+def test_verify_full_during_train_stops_the_trainer_and_starts_no_engine(pipeline):
+    """The H200's flap: `eagle3ctl verify --full` during training took the pipeline back to
+    verify, which started an SGLang server beside the trainer and killed it a second later, with
+    0 s of grace. Now the trainer checkpoints and stops while verify runs, no engine starts (the
+    verified set's spot check is on record already), and the trainer resumes after."""
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, _ = pipeline
+    children(trainer_runs=True)
+    tick_until(lambda: any(line.startswith("train") for line in lines()), "the trainer at work")
+    assert len(engines) == 1 and stops == [GRACE]  # extract's engine, stopped with its grace
+
+    control.submit(cfg.paths.state_dir, "verify-full", {})
+    seen.clear()
+    tick_until(lambda: [line.split()[0] for line in lines()] == ["engine", "train", "checkpoint",
+                                                                  "train"],
+               "the trainer stopped at a checkpoint and started again")
+    assert Stage.VERIFY in seen and seen[-1] == Stage.TRAIN
+    assert len(engines) == 1, "an engine was started that no sample needed"
+
+
+def test_an_exclude_during_the_evaluation_trains_again_before_done(pipeline):
+    """done.json names the manifest the drafter was trained on: an exclude while the evaluation
+    runs must not end in done with the excluded sample trained in."""
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, go = pipeline
+    children(trainer_runs=False)
+    tick_until(lambda: "evaluate" in lines(), "the evaluation")
+    before = manifest.read(cfg.paths.dataset_dir)["fingerprint"]
+    excluded = manifest.read(cfg.paths.dataset_dir)["samples"][0]["id"]
+    control.submit(cfg.paths.state_dir, "exclude", {"ids": [excluded], "reason": "test"})
+    daemon.tick()
+    go.touch()  # the evaluation ends as the exclude is taken in
+    tick_until(lambda: daemon.decision.stage == Stage.DONE, "done")
+    after = manifest.read(cfg.paths.dataset_dir)["fingerprint"]
+    assert after != before and excluded not in json.dumps(manifest.read(cfg.paths.dataset_dir))
+    assert [line for line in lines() if line.startswith("train")] == \
+        [f"train {before}", f"train {after}"]
+    assert train_files.done_for(cfg.paths.train_dir, after)
+
+
+def test_the_spot_checks_engine_waits_for_the_trainers_checkpoint(pipeline):
+    """An exclude during training changes the verified set, whose spot check the engine must
+    then run: it starts once the trainer has written its checkpoint and left the GPUs, never
+    beside it (SGLang at mem_fraction 0.85 beside a trainer ran out of memory)."""
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, _ = pipeline
+    children(trainer_runs=True)
+    tick_until(lambda: any(line.startswith("train") for line in lines()), "the trainer at work")
+    excluded = manifest.read(cfg.paths.dataset_dir)["samples"][0]["id"]
+    control.submit(cfg.paths.state_dir, "exclude", {"ids": [excluded], "reason": "test"})
+    tick_until(lambda: len([line for line in lines() if line.startswith("train")]) == 2,
+               "training again on the new manifest")
+    assert [line.split()[0] for line in lines()] == ["engine", "train", "checkpoint", "engine",
+                                                     "train"]
+    assert stops == [GRACE, GRACE]  # each engine stopped with its grace when train came
