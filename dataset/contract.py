@@ -84,17 +84,6 @@ def read_checked(dataset_dir: Path) -> dict[str, Any]:
     return doc
 
 
-def check_target(doc: dict[str, Any], target_fingerprint: str, model: str) -> None:
-    """Refuse a target whose weights are not the ones the dataset was captured with: a model
-    of the same shape would pass every shape check and silently poison the dataset."""
-    if doc.get("target_fingerprint") != target_fingerprint:
-        raise ContractMismatch(
-            f"the target {model} is not the model this dataset was captured with (weights "
-            f"fingerprint {target_fingerprint}, the capture contract says "
-            f"{doc.get('target_fingerprint')}): put that model back, or point [paths] "
-            "dataset_dir and state_dir at new folders for a new dataset")
-
-
 def write(dataset_dir: Path, contract: dict[str, Any]) -> dict[str, Any]:
     """Write the contract with its fingerprint; returns what was written."""
     import tomli_w  # here, not at the top: the trainer only reads contracts, and GPU images

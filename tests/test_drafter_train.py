@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from drafter_fixtures import cached_dataset, write_config
+from drafter_fixtures import MODEL, cached_dataset, write_config
 
 PY = sys.executable
 SMALL = {"draft_vocab": 2048, "ttt_steps": 2, "epochs": 1.0, "batch_tokens": 1024, "lr": 3e-4,
@@ -280,6 +280,49 @@ def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, dat
     assert reference.keys() == trained.keys()
     for name in reference:
         torch.testing.assert_close(trained[name], reference[name], rtol=1e-4, atol=1e-6)
+
+
+def other_model_of_the_same_shape(where: Path) -> Path:
+    """A copy of the fixture's target with its last weight byte changed: every shape check
+    passes."""
+    import shutil
+    from eagle3d.statemachine.config import resolve_location
+    original = resolve_location(MODEL, Path("."))
+    other = where / original.name
+    shutil.copyfile(original, other)
+    with open(other, "r+b") as fh:
+        fh.seek(-1, 2)
+        byte = fh.read(1)[0]
+        fh.seek(-1, 1)
+        fh.write(bytes([byte ^ 1]))
+    return other
+
+
+@pytest.mark.slow
+def test_a_rank_on_another_node_refuses_another_model(tmp_path, data_root):
+    """Node 1's copy of the target is another model of the same shape. Its rank checks the
+    weights it would load the embedding and head from, and both nodes stop before training
+    with one refusal naming node 1 and its model (the daemon's exit code for a contract
+    mismatch, in refusal.json); node 0, whose target is right, trains nothing."""
+    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.statemachine import entry, train_files
+    from eagle3d.statemachine.config import load_config
+    other = other_model_of_the_same_shape(tmp_path)
+    port = free_port()
+    settings = {**SMALL, "max_steps": 2}
+    node0 = node_config(tmp_path / "node0", data_root, settings, 0, port)
+    node1 = node_config(tmp_path / "node1", data_root, settings, 1, port)
+    node1.write_text(node1.read_text().replace(f'model = "{MODEL}"', f'model = "{other}"'))
+    nodes = [subprocess.Popen(trainer_argv(load_config(c), c), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for c in (node0, node1)]
+    errors = [node.communicate(timeout=300)[1] for node in nodes]
+    for node, err in zip(nodes, errors):
+        assert node.returncode != 0, err[-3000:]
+        assert f"node 1 of 2: the target {other} is not the model this dataset was captured " \
+               "with" in err, err[-3000:]
+    refused = train_files.read_refusal(tmp_path / "node0" / "train")
+    assert refused is not None and refused.code == entry.CONTRACT_MISMATCH
+    assert not (tmp_path / "node0" / "train" / "metrics.jsonl").exists()
 
 
 @pytest.mark.slow
