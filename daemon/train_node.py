@@ -19,7 +19,7 @@ from typing import Any
 from eagle3d.daemon.children import Child, end_orphans
 from eagle3d.daemon.train_stage import STOP_GRACE, trainer_argv
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import ConfigError, load_config
+from eagle3d.statemachine.config import ConfigError, load_in_force
 
 log = logging.getLogger("eagle3d")
 
@@ -44,7 +44,7 @@ class _Stop:
 
 def run(config_path: str) -> int:
     try:
-        cfg = load_config(config_path)
+        cfg = load_in_force(config_path)
     except ConfigError as exc:
         log.error("%s", exc)
         return entry.REFUSED

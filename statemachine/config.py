@@ -243,6 +243,15 @@ def write_in_force(cfg: Config) -> Path:
     return path
 
 
+def load_in_force(path: str | os.PathLike) -> Config:
+    """For processes beside the daemon (eagle3ctl, train-node): the config in force where the
+    daemon has written one for the config at `path` (its state folder), else that config. An
+    edit the daemon refused must not show a command, or start a trainer, it would not run."""
+    cfg = load_config(path)
+    in_force = layout.config_in_force(cfg.paths.state_dir)
+    return load_config(in_force) if in_force.is_file() else cfg
+
+
 def reload_problem(old: Config, new: Config) -> str | None:
     """Why a new config cannot be taken on the fly, or None."""
     if new.paths != old.paths:
