@@ -125,10 +125,13 @@ def spool(tmp_path: Path) -> Path:
 def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     samples = [[(7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     too_long = list(range(CONTEXT_LENGTH + 1))
-    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples + [too_long])))
+    key = "k" * 32  # the server's request key: the dumps are named by sample ids all the same
+    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples + [too_long])),
+                        key)
     fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16"))
     server = serve(fake)
-    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4)
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4,
+                          request_key=key)
     try:
         assert not healthy(client.base_url, timeout=2.0)  # 503 while starting
         assert healthy(client.base_url, timeout=2.0)
