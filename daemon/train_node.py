@@ -6,7 +6,8 @@ the trainer when the training gate opens, restarts it from the last checkpoint, 
 evaluates and marks the drafter done. This command starts this node's share (torchrun with
 [train] node_rank), which waits at node 0's rendezvous; whenever that training ends (finished,
 crashed, stopped by node 0) it starts again and waits for node 0's next one. It holds no GPU
-memory while it waits, and runs until it is stopped (SIGTERM, Ctrl-C).
+memory while it waits, and runs until it is stopped (SIGTERM, Ctrl-C). It reads the config in
+force where a daemon wrote one for its config's state folder, as eagle3ctl does.
 """
 
 from __future__ import annotations
