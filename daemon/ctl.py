@@ -436,11 +436,22 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The eagle3ctl command (argv None: the command line), or one call of it."""
+    if argv is not None:
+        return run(argv)
+    code = run(sys.argv[1:])
+    # The command is done: ending the process here spares the interpreter's teardown (freeing
+    # every module, 4 ms of the 20 ms status takes beyond an empty Python).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(argv: list[str]) -> int:
     # `eagle3ctl status | head` ends quietly. _signal, not signal: signal builds its enums at
     # import, 5 ms of every status.
     import _signal
     _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
-    argv = sys.argv[1:] if argv is None else argv
     args = build_parser(_command_word(argv)).parse_args(argv)
     try:
         # check-config checks the operator's file; everything else is about what is in force.

@@ -72,8 +72,8 @@ def test_status_costs_under_twice_an_empty_python(config_factory, tmp_path):
     """`eagle3ctl status` of an idle pipeline against `python -c pass`, in processor time (what
     an idle machine turns into wall time; other load on a shared machine inflates the wall
     time of both), the best of many alternated runs, with bytecode caches as an installed
-    package has them. 3.4x before its imports were pruned (2.5-2.6x in processor time on the
-    loaded 2-core VM), 1.9-2.0x after."""
+    package has them. On the loaded 2-core VM (2026-12-04): 2.5-2.6x before its imports were
+    pruned and the interpreter's teardown skipped, 1.7x after."""
     from eagle3d.statemachine.config import load_config
     from eagle3d.statemachine.ledger import Ledger
     config = config_factory()
@@ -89,7 +89,7 @@ def test_status_costs_under_twice_an_empty_python(config_factory, tmp_path):
     for _ in range(15):
         for name, argv in commands.items():
             best[name] = min(best[name], cpu_seconds(argv, env))
-    assert best["status"] < 2.2 * best["pass"], best
+    assert best["status"] < 2.0 * best["pass"], best
 
 
 def test_status_without_a_daemon_says_not_running(config_factory):
