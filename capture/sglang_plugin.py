@@ -33,7 +33,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.dumpformat import AUX, LAST
-from eagle3d.target import layers
+from eagle3d.statemachine.entry import ContractMismatch
+from eagle3d.target import identity, layers
+from eagle3d.target.loading import fingerprint_file_or_folder
 
 log = logging.getLogger("eagle3d.capture")
 
@@ -444,8 +446,6 @@ def read_handshake(spool: Path, token: str) -> dict[str, Any] | None:
 def handshake_problem(found: dict[str, Any], contract: dict[str, Any], tp: int) -> str | None:
     """Why a ready file does not show the capture the daemon asked for, with the target and
     dtype of the capture contract; None when it does."""
-    from eagle3d.statemachine.entry import ContractMismatch
-    from eagle3d.target import identity
     if found.get("contract") != contract["fingerprint"]:
         return (f"the plugin captures for contract {found.get('contract')}, not "
                 f"{contract['fingerprint']}")
@@ -484,7 +484,6 @@ def prepare(settings: CaptureSettings, model: Any, server_args: Any, tp_rank: in
     capture = Capture(writer, len(settings.layer_ids),
                       radix_cache_off=bool(getattr(server_args, "disable_radix_cache", False)),
                       dump_dtype=settings.dump_dtype)
-    from eagle3d.target.loading import fingerprint_file_or_folder
     # The weights of the path SGLang loaded, read after its load: the daemon refuses a server
     # whose target is not the capture contract's before it sends a request.
     model_path = str(server_args.model_path)

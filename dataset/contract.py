@@ -21,7 +21,7 @@ else:  # pragma: no cover
 
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.entry import ContractMismatch, Refusal
+from eagle3d.statemachine.entry import Refusal
 LAYER_CONVENTION = "hidden state entering decoder layer i (HF hidden_states[i])"
 FINAL_STATE = "post_norm"
 
