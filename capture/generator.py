@@ -233,6 +233,8 @@ def _decoder(cfg: Config, tokenizer: Any) -> tuple[Decoder, set[int]]:
                               f"within [sglang] startup_timeout_s = "
                               f"{cfg.sglang.startup_timeout_s:.0f} s; see the daemon's log")
             time.sleep(sglang_client.HEALTH_EVERY_S)
+        # The weights of this path were checked against the contract at the start.
+        sglang_client.check_serves(url, str(cfg.target.model_path))
         return SGLangDecoder(url, eos, cfg.generate), eos
     # The configured dtype on a CPU too: the target that writes the answers is the one extract
     # captures, and a CPU with bfloat16 units (AVX512-BF16, AMX) writes about twice as fast.

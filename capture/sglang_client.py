@@ -46,6 +46,24 @@ def healthy(base_url: str, timeout: float) -> bool:
         return False
 
 
+def check_serves(base_url: str, model_path: str) -> None:
+    """Refuse (ContractMismatch) a server that says it loaded another model than `model_path`,
+    whose weights the caller checked against the capture contract: SGLang's /get_model_info
+    names the path it loaded. A server that does not answer it is refused too."""
+    from eagle3d.statemachine.entry import ContractMismatch
+    try:
+        with _OPENER.open(base_url.rstrip("/") + "/get_model_info",
+                          timeout=HEALTH_TIMEOUT_S) as response:
+            served = json.loads(response.read()).get("model_path")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ContractMismatch(f"the SGLang server at {base_url} does not say which model it "
+                               f"loaded (/get_model_info: {exc})") from None
+    if served != model_path:
+        raise ContractMismatch(f"the SGLang server at {base_url} loaded {served}, not the "
+                               f"target {model_path}: another server answers on its port, or "
+                               "it was started from another config")
+
+
 class SGLangRefused(OSError):
     """SGLang answered with an HTTP error; the message carries its status and its words."""
 

@@ -90,6 +90,13 @@ class Generator:
 def handler(generate: Generator | None) -> type:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path == "/get_model_info":  # as SGLang names what it loaded
+                answer = json.dumps({"model_path": arg("--model-path")}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+                return
             time.sleep(HEALTH_SECONDS)
             self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
