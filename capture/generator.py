@@ -36,7 +36,7 @@ from eagle3d.capture import sglang_client
 from eagle3d.capture.planner import END_MARGIN, plan_batch, room_for_answer
 from eagle3d.dataset import contract
 from eagle3d.dataset.conversations import Conversation
-from eagle3d.target import loading
+from eagle3d.target import identity, loading
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, GenerateConfig
 from eagle3d.statemachine.entry import OK, Refusal, child_main
@@ -233,6 +233,8 @@ def _decoder(cfg: Config, tokenizer: Any) -> tuple[Decoder, set[int]]:
                               f"within [sglang] startup_timeout_s = "
                               f"{cfg.sglang.startup_timeout_s:.0f} s; see the daemon's log")
             time.sleep(sglang_client.HEALTH_EVERY_S)
+        # The weights of this path were checked against the contract at the start.
+        sglang_client.check_serves(url, str(cfg.target.model_path))
         return SGLangDecoder(url, eos, cfg.generate), eos
     # The configured dtype on a CPU too: the target that writes the answers is the one extract
     # captures, and a CPU with bfloat16 units (AVX512-BF16, AMX) writes about twice as fast.
@@ -296,8 +298,7 @@ def _write_streaming(writer: Writer, ledger: Ledger,
 def _run(cfg: Config, args: argparse.Namespace) -> int:
     die_with_parent(signal.SIGTERM)
     doc = contract.read_checked(cfg.paths.dataset_dir)
-    fingerprint = loading.fingerprint_file_or_folder(cfg.target.model_path)
-    contract.check_target(doc, fingerprint, cfg.target.model)
+    fingerprint = identity.check(doc, cfg.target.model_path, cfg.target.model)
     tokenizer = loading.load_tokenizer(cfg.target.model_path)
     decode, eos = _decoder(cfg, tokenizer)
     writer = Writer(decode, tokenizer, eos, cfg.generate, cfg.data.max_tokens)

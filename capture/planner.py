@@ -34,12 +34,13 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from eagle3d.dataset import contract, dumpformat
-from eagle3d.target import loading
+from eagle3d.target import identity, loading
 from eagle3d.dataset.conversations import Conversation, iter_conversations
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, ConfigError
 from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
+from eagle3d.statemachine.plan_meta import PlanMeta
 
 log = logging.getLogger("eagle3d.planner")
 
@@ -123,6 +124,7 @@ def ensure_contract(dataset_dir: Path, wanted: dict[str, Any]) -> dict[str, Any]
     if existing is None:
         Path(dataset_dir).mkdir(parents=True, exist_ok=True)
         return contract.write(dataset_dir, wanted)
+    identity.require(existing, wanted["target_fingerprint"], wanted["target"])
     diff = contract.differences(existing, wanted)
     if diff:
         raise ContractMismatch(
@@ -309,10 +311,9 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
     data = cfg.data
     end = data.first + data.limit
     start = max(data.first, ledger.max_idx() + 1)
-    base_meta = {"plan.source": data.source, "plan.first": str(data.first),
-                 "plan.max_tokens": str(data.max_tokens), "plan.responses": data.responses,
-                 "plan.bytes_per_token": str(dumpformat.bytes_per_token(
-                     hidden_size, cfg.extract.dump_dtype))}
+    recorded = PlanMeta(source=data.source, first=data.first, max_tokens=data.max_tokens,
+                        responses=data.responses, bytes_per_token=dumpformat.bytes_per_token(
+                            hidden_size, cfg.extract.dump_dtype))
     if start >= end:
         log.info("plan already covers source indices %d..%d; nothing to do", data.first, end - 1)
         return
@@ -322,9 +323,9 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
     through = start - 1
     batch: list[Conversation] = []
 
-    def flush(final_meta: dict[str, str]) -> None:
+    def flush(exhausted: bool = False) -> None:
         nonlocal planned, skipped
-        meta = {**base_meta, "plan.through": str(through), **final_meta}
+        meta = recorded._replace(through=through, exhausted=exhausted).entries()
         # A duplicate conversation is recorded by the ledger as skipped, not as a sample.
         if data.responses == "target":
             prompts, skips = plan_prompts(tokenizer, batch, data.max_tokens)
@@ -341,14 +342,14 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
         read += 1
         through = conv.idx
         if len(batch) >= BATCH:
-            flush({})
+            flush()
         now = time.monotonic()
         if now - last_report >= PROGRESS_EVERY_S:
             last_report = now
             log.info("planned %d/%d conversations (%.0f/s): %d samples, %d skipped",
                      through - data.first + 1, data.limit, read / (now - t0), planned, skipped)
     exhausted = through < end - 1
-    flush({"plan.exhausted": "1"} if exhausted else {})
+    flush(exhausted)
     if exhausted:
         log.warning("the source ends at index %d, before first + limit = %d: the plan holds what "
                     "the source has", through, end)

@@ -17,9 +17,10 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
-from eagle3d.capture.sglang_plugin import HANDSHAKE_FILE, handshake_problem, read_handshake
+from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, handshake_problem, read_handshake,
+                                           request_id)
 
 REQUEST_TIMEOUT_S = 3600.0  # a prefill queued behind many others; the daemon has its own timeout
 # SGLang's /health can run a one-token generation (the launcher turns that off, an operator's
@@ -43,6 +44,24 @@ def healthy(base_url: str, timeout: float) -> bool:
             return response.status == 200
     except (OSError, ValueError):
         return False
+
+
+def check_serves(base_url: str, model_path: str) -> None:
+    """Refuse (ContractMismatch) a server that says it loaded another model than `model_path`,
+    whose weights the caller checked against the capture contract: SGLang's /get_model_info
+    names the path it loaded. A server that does not answer it is refused too."""
+    from eagle3d.statemachine.entry import ContractMismatch
+    try:
+        with _OPENER.open(base_url.rstrip("/") + "/get_model_info",
+                          timeout=HEALTH_TIMEOUT_S) as response:
+            served = json.loads(response.read()).get("model_path")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ContractMismatch(f"the SGLang server at {base_url} does not say which model it "
+                               f"loaded (/get_model_info: {exc})") from None
+    if served != model_path:
+        raise ContractMismatch(f"the SGLang server at {base_url} loaded {served}, not the "
+                               f"target {model_path}: another server answers on its port, or "
+                               "it was started from another config")
 
 
 class SGLangRefused(OSError):
@@ -75,10 +94,13 @@ def generate(base_url: str, prompts: list[list[int]],
 
 
 class SGLangClient:
-    def __init__(self, base_url: str, max_concurrency: int) -> None:
+    def __init__(self, base_url: str, max_concurrency: int, request_key: str = "") -> None:
+        """`request_key`: the capturing server's (sglang_plugin.ENV_REQUEST_KEY), which each
+        request id carries; events name the samples without it."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.base_url = base_url.rstrip("/")
+        self.request_key = request_key
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
         self._events: queue.Queue[dict] = queue.Queue()
         self._closed = False
@@ -106,8 +128,9 @@ class SGLangClient:
     def _prefill(self, sid: str, ids: list[int]) -> None:
         start = time.monotonic()
         try:
-            answer = _post_generate(self.base_url, {"input_ids": ids, "rid": sid, "stream": False,
-                                                    "sampling_params": {"max_new_tokens": 0}})
+            answer = _post_generate(self.base_url, {
+                "input_ids": ids, "rid": request_id(self.request_key, sid), "stream": False,
+                "sampling_params": {"max_new_tokens": 0}})
         except SGLangRefused as exc:
             self._error(sid, str(exc))
             return
@@ -129,16 +152,16 @@ class SGLangClient:
 class Startup:
     """Watches a starting server on a thread of its own, so no caller waits on a slow /health.
     `state` becomes "ready" once /health answers 200 and the capture plugin's ready file for this
-    start shows the capture asked for, or "failed" with `problem` saying why; a server that exits
-    leaves it "starting" (its exit status says more)."""
+    start shows the capture asked for (the capture contract's layers, target weights and dtype),
+    or "failed" with `problem` saying why; a server that exits leaves it "starting" (its exit
+    status says more)."""
 
-    def __init__(self, client: SGLangClient, spool: Path, token: str, contract: str,
-                 layer_ids: Sequence[int], tp: int, timeout_s: float,
-                 exited: Callable[[], bool]) -> None:
+    def __init__(self, client: SGLangClient, spool: Path, token: str, contract: dict[str, Any],
+                 tp: int, timeout_s: float, exited: Callable[[], bool]) -> None:
         self.state = "starting"
         self.problem: str | None = None
         self.info: dict | None = None
-        self._args = (client, Path(spool), token, contract, list(layer_ids), tp, timeout_s, exited)
+        self._args = (client, Path(spool), token, contract, tp, timeout_s, exited)
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True, name="sglang-startup").start()
 
@@ -146,7 +169,7 @@ class Startup:
         self._stop.set()
 
     def _run(self) -> None:
-        client, spool, token, contract, layer_ids, tp, timeout_s, exited = self._args
+        client, spool, token, contract, tp, timeout_s, exited = self._args
         deadline = time.monotonic() + timeout_s
         while not healthy(client.base_url, HEALTH_TIMEOUT_S):
             if self._stop.is_set() or exited():
@@ -165,7 +188,7 @@ class Startup:
                     "it failed, and SGLang serves on without it; look for 'eagle3d' in the "
                     "server's log")
             self._stop.wait(0.5)
-        problem = handshake_problem(found, contract, layer_ids, tp)
+        problem = handshake_problem(found, contract, tp)
         if problem:
             return self._fail(f"eagle3d's capture plugin is loaded but wrong: {problem}")
         self.info = found

@@ -62,9 +62,9 @@ def _reserved_flag(arg: str) -> str | None:
     return None
 
 
-def _server_argv(cfg: Config, own: list[str]) -> list[str]:
-    """What both of eagle3d's servers take from the config, then `own` flags, then the
-    operator's extra_args."""
+def _server_argv(cfg: Config, dtype: str, own: list[str]) -> list[str]:
+    """What both of eagle3d's servers take from the config, computing in `dtype`, then `own`
+    flags, then the operator's extra_args."""
     for arg in cfg.sglang.extra_args:
         flag = _reserved_flag(arg)
         if flag:
@@ -73,16 +73,17 @@ def _server_argv(cfg: Config, own: list[str]) -> list[str]:
     return [cfg.sglang.python, "-m", "sglang.launch_server",
             "--model-path", str(cfg.target.model_path),
             "--tp-size", str(cfg.sglang.tp),
-            "--dtype", cfg.target.dtype,
+            "--dtype", dtype,
             "--host", cfg.sglang.host, "--port", str(cfg.sglang.port),
             "--mem-fraction-static", str(cfg.sglang.mem_fraction), *own, *cfg.sglang.extra_args]
 
 
 def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
-    """The capturing server's argv and the environment to add to the daemon's for it. The
-    environment carries a new start token each call: the ready file of this start carries it
-    back."""
-    argv = _server_argv(cfg, [
+    """The capturing server's argv and the environment to add to the daemon's for it. It
+    computes in the contract's dtype, whatever the config says now. The environment carries a
+    new start token each call, which the ready file of this start carries back, and a new
+    request key, which only the daemon's requests carry."""
+    argv = _server_argv(cfg, contract["dtype"], [
         # One forward batch is copied to host memory whole: bound it like the other engine
         # does, but never below the longest sample, which must fit in one prefill.
         "--max-prefill-tokens", str(max(cfg.extract.batch_tokens, cfg.data.max_tokens)),
@@ -91,7 +92,8 @@ def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], di
                                layer_ids=tuple(contract["layer_ids"]),
                                ledger=layout.ledger(cfg.paths.state_dir),
                                dump_dtype=capture_contract.dump_dtype(contract),
-                               token=secrets.token_hex(8))
+                               token=secrets.token_hex(8),
+                               request_key=secrets.token_hex(16))
     env = {**settings.to_env(), **SERVER_ENV}
     allowed = os.environ.get("SGLANG_PLUGINS", "")
     if allowed.strip():
@@ -105,7 +107,7 @@ def generation_command(cfg: Config) -> tuple[list[str], dict[str, str]]:
     decode graphs on. No capture settings in its environment, so the plugin stays inert in it:
     a server never both generates and captures (capture needs the flags above, and a request it
     captures must be a prefill of a finished conversation)."""
-    return _server_argv(cfg, []), dict(SERVER_ENV)
+    return _server_argv(cfg, cfg.target.dtype, []), dict(SERVER_ENV)
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:

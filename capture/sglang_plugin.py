@@ -33,7 +33,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.dumpformat import AUX, LAST
-from eagle3d.target import layers
+from eagle3d.statemachine.entry import ContractMismatch
+from eagle3d.target import identity, layers
+from eagle3d.target.loading import fingerprint_file_or_folder
 
 log = logging.getLogger("eagle3d.capture")
 
@@ -44,6 +46,9 @@ ENV_LAYER_IDS = "EAGLE3D_LAYER_IDS"  # the contract's layer ids, in the contract
 ENV_LEDGER = "EAGLE3D_LEDGER"        # the ledger, for each sample's loss mask
 ENV_TOKEN = "EAGLE3D_START_TOKEN"    # names one server start: a ready file from an older one is stale
 ENV_DUMP_DTYPE = "EAGLE3D_DUMP_DTYPE"  # the contract's dump dtype: how a dump stores the states
+# A secret of one server start, which every request id the daemon sends carries: environments
+# are private to their user, so another local user's request to the server is never dumped.
+ENV_REQUEST_KEY = "EAGLE3D_REQUEST_KEY"
 # The plugin's own files live in this folder of the spool: the daemon's spool scan offers files
 # to ingest and moves stray dot-named files to rejected/, but leaves folders alone.
 PLUGIN_FOLDER = "sglang"
@@ -80,6 +85,7 @@ class CaptureSettings:
     ledger: Path
     dump_dtype: str
     token: str = ""
+    request_key: str = ""  # "": no key asked (the launcher always sets one)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> CaptureSettings | None:
@@ -97,12 +103,13 @@ class CaptureSettings:
             raise CaptureError(f"{ENV_LAYER_IDS}={env[ENV_LAYER_IDS]!r} is not a comma-separated "
                                "list of layer ids") from None
         return cls(Path(env[ENV_SPOOL]), env[ENV_CONTRACT], ids, Path(env[ENV_LEDGER]),
-                   env[ENV_DUMP_DTYPE], env.get(ENV_TOKEN, ""))
+                   env[ENV_DUMP_DTYPE], env.get(ENV_TOKEN, ""), env.get(ENV_REQUEST_KEY, ""))
 
     def to_env(self) -> dict[str, str]:
         return {ENV_SPOOL: str(self.spool), ENV_CONTRACT: self.contract,
                 ENV_LAYER_IDS: ",".join(map(str, self.layer_ids)), ENV_LEDGER: str(self.ledger),
-                ENV_DUMP_DTYPE: self.dump_dtype, ENV_TOKEN: self.token}
+                ENV_DUMP_DTYPE: self.dump_dtype, ENV_TOKEN: self.token,
+                ENV_REQUEST_KEY: self.request_key}
 
 
 # ---- pure: one forward batch → per-request slices ----------------------------------------------
@@ -192,10 +199,21 @@ def split_extend_batch(forward_mode_is_extend: bool, rids: Sequence[str], extend
 
 # ---- writing dumps -----------------------------------------------------------------------------
 
-def request_sample(rid: str | None) -> tuple[str, str] | None:
+def request_id(key: str, name: str) -> str:
+    """The request id the daemon sends for `name` (a sample id, or SPOT_PREFIX and one) to the
+    server started with the request key `key`."""
+    return f"{key}-{name}" if key else name
+
+
+def request_sample(rid: str | None, key: str) -> tuple[str, str] | None:
     """(sample id, folder under the spool) of a request the plugin dumps; None for any other
-    request (SGLang's health checks and warm-up, another client)."""
+    request (SGLang's health checks and warm-up, another client, one without this start's
+    request key)."""
     rid = rid or ""
+    if key:
+        if not rid.startswith(f"{key}-"):
+            return None
+        rid = rid[len(key) + 1:]
     folder = ""
     if rid.startswith(SPOT_PREFIX):
         rid, folder = rid[len(SPOT_PREFIX):], SPOT_FOLDER
@@ -233,10 +251,12 @@ class DumpWriter:
     bounded queue makes the forward wait when the disk cannot keep up, instead of piling up
     hidden states in host memory."""
 
-    def __init__(self, spool: Path, contract: str, loss_masks: LossMasks) -> None:
+    def __init__(self, spool: Path, contract: str, loss_masks: LossMasks,
+                 request_key: str = "") -> None:
         self.spool = Path(spool)
         self.contract = contract
         self.loss_masks = loss_masks
+        self.request_key = request_key
         self.written = 0
         self._queue: queue.Queue[HostBatch | None] = queue.Queue(WRITE_QUEUE_BATCHES)
         self._thread = threading.Thread(target=self._run, name="eagle3d-dumps", daemon=True)
@@ -263,8 +283,11 @@ class DumpWriter:
             self._queue.task_done()
         self._queue.task_done()
 
+    def sample_of(self, rid: str | None) -> tuple[str, str] | None:
+        return request_sample(rid, self.request_key)
+
     def write(self, s: RequestSlice) -> Path | None:
-        found = request_sample(s.rid)
+        found = self.sample_of(s.rid)
         mask = self.loss_masks(found[0]) if found else None
         if found is None or mask is None:
             return None  # not a planned sample: SGLang's own warm-up or another client
@@ -292,7 +315,7 @@ class Capture:
         """Queue this batch's dumps; returns how many requests were queued."""
         if not forward_mode_is_extend or not rids:
             return 0
-        if not any(request_sample(r) for r in rids):
+        if not any(self.writer.sample_of(r) for r in rids):
             return 0  # health checks and warm-up: nothing to copy off the GPU
         if extend_seq_lens is None:
             raise CaptureError("SGLang gave an EXTEND batch without host-side lengths "
@@ -317,7 +340,7 @@ class Capture:
                                f"{slices[0].states[LAST].shape[1]}")
         keep = []
         for s in slices:
-            if not request_sample(s.rid):
+            if not self.writer.sample_of(s.rid):
                 continue
             if s.prefix_len:
                 # A cached or chunked prefix: these rows are not the whole prompt.
@@ -420,14 +443,23 @@ def read_handshake(spool: Path, token: str) -> dict[str, Any] | None:
     return found if isinstance(found, dict) and found.get("token") == token else None
 
 
-def handshake_problem(found: dict[str, Any], contract: str, layer_ids: Sequence[int],
-                      tp: int) -> str | None:
-    """Why a ready file does not show the capture the daemon asked for; None when it does."""
-    if found.get("contract") != contract:
-        return f"the plugin captures for contract {found.get('contract')}, not {contract}"
-    if found.get("layers") != list(layer_ids):
+def handshake_problem(found: dict[str, Any], contract: dict[str, Any], tp: int) -> str | None:
+    """Why a ready file does not show the capture the daemon asked for, with the target and
+    dtype of the capture contract; None when it does."""
+    if found.get("contract") != contract["fingerprint"]:
+        return (f"the plugin captures for contract {found.get('contract')}, not "
+                f"{contract['fingerprint']}")
+    try:
+        identity.require(contract, str(found.get("target_fingerprint")),
+                         f"{found.get('model_path')} (as SGLang loaded it)")
+    except ContractMismatch as exc:
+        return str(exc)
+    if found.get("dtype") != contract["dtype"]:
+        return (f"the server computes in {found.get('dtype')}, the capture contract says "
+                f"{contract['dtype']}")
+    if found.get("layers") != list(contract["layer_ids"]):
         return (f"the plugin read back capture layers {found.get('layers')}, the contract names "
-                f"{list(layer_ids)}")
+                f"{list(contract['layer_ids'])}")
     if found.get("tp_size") != tp or found.get("attn_dp_size") != 1:
         return (f"the server runs tp={found.get('tp_size')}, attention-DP "
                 f"{found.get('attn_dp_size')}; eagle3d asked for tp={tp} and no attention-DP")
@@ -447,12 +479,18 @@ def prepare(settings: CaptureSettings, model: Any, server_args: Any, tp_rank: in
     if tp_rank != 0:
         return None  # every rank holds the same full hidden states: rank 0 writes them
     settings.spool.mkdir(parents=True, exist_ok=True)
-    writer = DumpWriter(settings.spool, settings.contract, ledger_loss_masks(settings.ledger))
+    writer = DumpWriter(settings.spool, settings.contract, ledger_loss_masks(settings.ledger),
+                        settings.request_key)
     capture = Capture(writer, len(settings.layer_ids),
                       radix_cache_off=bool(getattr(server_args, "disable_radix_cache", False)),
                       dump_dtype=settings.dump_dtype)
+    # The weights of the path SGLang loaded, read after its load: the daemon refuses a server
+    # whose target is not the capture contract's before it sends a request.
+    model_path = str(server_args.model_path)
     write_handshake(settings, {
         "pid": os.getpid(), "sglang": sglang_version, "model": model_name(model),
+        "model_path": model_path, "target_fingerprint": fingerprint_file_or_folder(model_path),
+        "dtype": str(server_args.dtype),
         "layers": captured_layers(model), "tp_size": getattr(server_args, "tp_size", None),
         "pp_size": getattr(server_args, "pp_size", 1), "attn_dp_size": attn_dp_size,
         "attn_cp_size": getattr(server_args, "attn_cp_size", 1)})

@@ -31,7 +31,7 @@ from eagle3d.dataset import dumpformat, precision
 from eagle3d.target import loading
 from eagle3d.capture.sglang_client import SGLangClient, Startup
 from eagle3d.capture.sglang_launcher import check_version, launch_command, shell_line
-from eagle3d.capture.sglang_plugin import ENV_TOKEN
+from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN
 from eagle3d.statemachine.config import (DUMP_DTYPES, Config, DataConfig, PathsConfig,
                                          SGLangConfig, TargetConfig)
 from eagle3d.statemachine import layout
@@ -70,10 +70,10 @@ def serving(cfg: Config, contract: dict, startup_timeout: float) -> Iterator[SGL
     argv, env = launch_command(cfg, contract)
     print("engine command:", shell_line(argv, env), flush=True)
     server = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
-    client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}", 64)
-    startup = Startup(client, cfg.paths.spool_dir, env[ENV_TOKEN], contract["fingerprint"],
-                      contract["layer_ids"], cfg.sglang.tp, startup_timeout,
-                      exited=lambda: server.poll() is not None)
+    client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}", 64,
+                          env[ENV_REQUEST_KEY])
+    startup = Startup(client, cfg.paths.spool_dir, env[ENV_TOKEN], contract, cfg.sglang.tp,
+                      startup_timeout, exited=lambda: server.poll() is not None)
     try:
         while startup.state == "starting":
             if server.poll() is not None:
@@ -278,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         ledger.add_planned(planned, [], {})
     contract = {"layer_ids": layer_ids, "dtype": args.dtype,
                 "dump_dtype": args.dump_dtype or args.dtype, "target": args.model,
+                "target_fingerprint": loading.fingerprint_file_or_folder(model_path),
                 "hidden_size": hf_config.hidden_size, "num_layers": hf_config.num_hidden_layers}
     contract["fingerprint"] = contract_mod.fingerprint(contract)
     longest = max(map(len, [*samples.values(), *bench.values()]))

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from eagle3d.dataset import contract, dumpformat, precision
-from eagle3d.target import loading
+from eagle3d.target import identity, loading
 from eagle3d.capture.hooks import LayerTap, decoder_of
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.entry import OK, ContractMismatch, child_main
@@ -366,8 +366,7 @@ def _serve(cfg: Config, args: argparse.Namespace) -> int:
     sys.stdout = sys.stderr
     doc = contract.read_checked(cfg.paths.dataset_dir)
     # Before the load: a model of the right shape but other weights must never be captured.
-    contract.check_target(doc, loading.fingerprint_file_or_folder(cfg.target.model_path),
-                          cfg.target.model)
+    identity.check(doc, cfg.target.model_path, cfg.target.model)
     model = loading.load_model(cfg.target.model_path, doc["dtype"], cfg.target.device)
     text = model.config.get_text_config()
     found = {"hidden_size": text.hidden_size, "num_layers": text.num_hidden_layers,

@@ -118,7 +118,7 @@ class SGLangEngine:
     def __init__(self, cfg: Config, pid_dir: Path, contract: dict[str, Any]) -> None:
         from eagle3d.capture.sglang_client import SGLangClient, Startup
         from eagle3d.capture.sglang_launcher import launch_command, launch_problem
-        from eagle3d.capture.sglang_plugin import ENV_TOKEN
+        from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN
         problem = launch_problem(cfg)
         if problem:
             raise EngineUnavailable(problem)
@@ -128,15 +128,16 @@ class SGLangEngine:
             raise EngineUnavailable(f"[sglang] {exc}") from None
         self.child = Child("engine", argv, pid_dir, env=env)
         self.client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}",
-                                   cfg.extract.max_inflight_samples)
+                                   cfg.extract.max_inflight_samples, env[ENV_REQUEST_KEY])
         self.ready = False
         self.spool = cfg.paths.spool_dir
         self._redirected: dict[str, Path] = {}  # sample id → folder its dump is wanted in
         self.problem: str | None = None  # why the engine will not become ready, once known
         self.device = f"sglang tp={cfg.sglang.tp}"
-        self.startup = Startup(self.client, cfg.paths.spool_dir, env[ENV_TOKEN],
-                               contract["fingerprint"], contract["layer_ids"], cfg.sglang.tp,
-                               cfg.sglang.startup_timeout_s,
+        # Ready only once the plugin reports the contract's target weights (as loaded), dtype
+        # and layers: before that no request is sent, so no dump of another model is ingested.
+        self.startup = Startup(self.client, cfg.paths.spool_dir, env[ENV_TOKEN], contract,
+                               cfg.sglang.tp, cfg.sglang.startup_timeout_s,
                                exited=lambda: self.child.proc.poll() is not None)
 
     @property

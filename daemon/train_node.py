@@ -6,7 +6,8 @@ the trainer when the training gate opens, restarts it from the last checkpoint, 
 evaluates and marks the drafter done. This command starts this node's share (torchrun with
 [train] node_rank), which waits at node 0's rendezvous; whenever that training ends (finished,
 crashed, stopped by node 0) it starts again and waits for node 0's next one. It holds no GPU
-memory while it waits, and runs until it is stopped (SIGTERM, Ctrl-C).
+memory while it waits, and runs until it is stopped (SIGTERM, Ctrl-C). It reads the config in
+force where a daemon wrote one for its config's state folder, as eagle3ctl does.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 from eagle3d.daemon.children import Child, end_orphans
 from eagle3d.daemon.train_stage import trainer_argv
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import ConfigError, load_config
+from eagle3d.statemachine.config import ConfigError, load_in_force
 
 log = logging.getLogger("eagle3d")
 
@@ -44,7 +45,7 @@ class _Stop:
 
 def run(config_path: str) -> int:
     try:
-        cfg = load_config(config_path)
+        cfg = load_in_force(config_path)
     except ConfigError as exc:
         log.error("%s", exc)
         return entry.REFUSED

@@ -22,7 +22,7 @@ else:  # pragma: no cover
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import Config
-from eagle3d.statemachine.entry import ContractMismatch, Refusal
+from eagle3d.statemachine.entry import Refusal
 
 LAYER_CONVENTION = "hidden state entering decoder layer i (HF hidden_states[i])"
 FINAL_STATE = "post_norm"
@@ -97,17 +97,6 @@ def read_checked(dataset_dir: Path) -> dict[str, Any]:
     if doc.get("fingerprint") != fingerprint(doc):
         raise Refusal(f"{path} does not match its fingerprint (edited by hand?)")
     return doc
-
-
-def check_target(doc: dict[str, Any], target_fingerprint: str, model: str) -> None:
-    """Refuse a target whose weights are not the ones the dataset was captured with: a model
-    of the same shape would pass every shape check and silently poison the dataset."""
-    if doc.get("target_fingerprint") != target_fingerprint:
-        raise ContractMismatch(
-            f"the target {model} is not the model this dataset was captured with (weights "
-            f"fingerprint {target_fingerprint}, the capture contract says "
-            f"{doc.get('target_fingerprint')}): put that model back, or point [paths] "
-            "dataset_dir and state_dir at new folders for a new dataset")
 
 
 def write(dataset_dir: Path, contract: dict[str, Any]) -> dict[str, Any]:

@@ -394,8 +394,8 @@ def _arguments(p: argparse.ArgumentParser) -> None:
 
 def _run(cfg: Config, args: argparse.Namespace) -> int:
     from eagle3d.dataset import contract
-    from eagle3d.target.loading import (fingerprint_file_or_folder, load_model, load_tokenizer,
-                                        pick_device, stop_tokens)
+    from eagle3d.target import identity
+    from eagle3d.target.loading import load_model, load_tokenizer, pick_device, stop_tokens
 
     try:
         source = resolve_location(args.source, Path.cwd()) if args.source else cfg.eval.source_path
@@ -406,8 +406,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         raise Refusal(f"no exported drafter in {drafter_dir}")
     captured = contract.read(cfg.paths.dataset_dir)
     if captured is not None:  # the drafter learned this dataset's target: measure against it
-        contract.check_target(captured, fingerprint_file_or_folder(cfg.target.model_path),
-                              cfg.target.model)
+        identity.check(captured, cfg.target.model_path, cfg.target.model)
     steps = args.steps or cfg.eval.steps
     max_new = args.max_new_tokens or cfg.eval.max_new_tokens
     device = pick_device(cfg.target.device)

@@ -27,8 +27,9 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from eagle3d.dataset import contract as contract_mod
-from eagle3d.target.loading import cpu_computes_bf16, fingerprint_file_or_folder, pick_device
+from eagle3d.dataset import dumpformat
+from eagle3d.target import identity
+from eagle3d.target.loading import cpu_computes_bf16, pick_device
 from eagle3d.target.loading import load_config as load_target_config
 from eagle3d.drafter import checkpoint, data, loss as loss_mod, vocab as vocab_mod
 from eagle3d.drafter.export import export
@@ -101,9 +102,26 @@ def checked_manifest(cfg: Config) -> dict[str, Any]:
         raise Refusal(f"refusing to train: {exc}") from None
     if not manifest["samples"]:
         raise Refusal("refusing to train: the manifest lists no samples")
-    contract_mod.check_target(manifest["contract"],
-                              fingerprint_file_or_folder(cfg.target.model_path), cfg.target.model)
     return manifest
+
+
+def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
+    """What each rank checks with its own node's files against node 0's manifest: the target
+    weights it loads the embedding and head from, and the headers of its share of the node's
+    dataset files (the node's ranks together read every file's header)."""
+    identity.check(manifest["contract"], cfg.target.model_path, cfg.target.model)
+    share = slice(rt.local_rank, None, rt.local_world)
+    paths = data.sample_paths(manifest, cfg.paths.dataset_dir)[share]
+    for sample, path in zip(manifest["samples"][share], paths):
+        try:
+            header = dumpformat.read_header(path)
+        except (OSError, dumpformat.DumpError) as exc:
+            raise Refusal(f"refusing to train: {path}: {exc}") from None
+        wanted = (sample["id"], manifest["contract"]["fingerprint"])
+        if (header.sample_id, header.contract) != wanted:
+            raise Refusal(f"refusing to train: {path} holds sample {header.sample_id} of contract "
+                          f"{header.contract}, the manifest lists sample {wanted[0]} of contract "
+                          f"{wanted[1]}")
 
 
 def draft_vocabulary(cfg: Config, rt: Runtime, manifest: dict[str, Any], paths: list[Path],
@@ -272,7 +290,8 @@ def agreed_job(cfg: Config, rt: Runtime) -> None:
 
 
 def agreed_manifest(cfg: Config, rt: Runtime) -> dict[str, Any]:
-    """Rank 0 checks the manifest; every rank gets it, or the same refusal."""
+    """Rank 0 checks the manifest against the ledger, every rank checks its node's target and
+    dataset against it; every rank gets the manifest, or the same refusal naming the node."""
     manifest, refusal = None, None
     if rt.main:
         try:
@@ -282,7 +301,21 @@ def agreed_manifest(cfg: Config, rt: Runtime) -> dict[str, Any]:
     refusal = broadcast(rt, refusal)
     if refusal is not None:
         raise refusal
-    return broadcast(rt, manifest)
+    manifest = broadcast(rt, manifest)
+    mine = None
+    try:
+        check_this_node(cfg, rt, manifest)
+    except Refusal as exc:
+        mine = exc
+    gathered = [(cfg.train.node_rank, mine)]
+    if rt.world > 1:
+        gathered = [None] * rt.world
+        dist.all_gather_object(gathered, (cfg.train.node_rank, mine))
+    refused = [(node, exc) for node, exc in gathered if exc is not None]
+    if refused:
+        node, exc = refused[0]
+        raise type(exc)(f"node {node} of {cfg.train.nnodes}: {exc}")
+    return manifest
 
 
 def setup(cfg: Config, rt: Runtime) -> Run:

@@ -6,7 +6,6 @@ silently ignored is a setting the operator believes is in force and is not.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 import re
@@ -277,7 +276,18 @@ def check_in_force(path: Path, digest: str | None) -> None:
 
 
 def _digest(data: bytes) -> str:
+    import hashlib  # lazily: eagle3ctl status never digests, and answers in a blink
+
     return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def load_in_force(path: str | os.PathLike) -> Config:
+    """For processes beside the daemon (eagle3ctl, train-node): the config in force where the
+    daemon has written one for the config at `path` (its state folder), else that config. An
+    edit the daemon refused must not show a command, or start a trainer, it would not run."""
+    cfg = load_config(path)
+    in_force = layout.config_in_force(cfg.paths.state_dir)
+    return load_config(in_force) if in_force.is_file() else cfg
 
 
 def reload_problem(old: Config, new: Config, old_fits: bool = True) -> str | None:

@@ -7,9 +7,6 @@ kept by triggers in a tiny table, so `eagle3ctl status` costs the same at 1k and
 
 from __future__ import annotations
 
-import array
-import hashlib
-import json
 import sqlite3
 import sys
 import time
@@ -88,6 +85,7 @@ class LedgerError(RuntimeError):
 def _first_prompt_chars(messages: str) -> int:
     """The length of a conversation's first prompt (its turns up to the first user turn), in
     characters: the order of prompts by it is close to their order by tokens."""
+    import json  # here and below, not at the top: `eagle3ctl status` imports this module
     total = 0
     for turn in json.loads(messages):
         total += len(turn.get("content") or "")
@@ -97,6 +95,7 @@ def _first_prompt_chars(messages: str) -> int:
 
 
 def _checksum(text: str) -> str:
+    import hashlib
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
@@ -130,6 +129,7 @@ class PlannedSample(NamedTuple):
 
 def token_ids(raw: bytes) -> list[int]:
     """A planned sample's token ids, from the little-endian int32 bytes the ledger keeps."""
+    import array
     ids = array.array("i")
     ids.frombytes(raw)
     if sys.byteorder == "big":
@@ -530,6 +530,7 @@ class Ledger:
         """Move up to n ungenerated samples to generating, with their prompts: the n shortest
         prompts among the oldest `window` (at least n), so that a batch decoded together is
         padded to a length close to its own."""
+        import json
         now = time.time()
         with self.transaction() as db:
             rows = db.execute(f"SELECT {_COLUMNS}, messages FROM samples JOIN prompts USING (id) "
@@ -545,6 +546,7 @@ class Ledger:
                        settings: dict[str, object]) -> bool:
         """The target wrote the conversation: it is kept (checksummed) with the settings it was
         written with, and the sample, now with its tokens, is pending extraction."""
+        import json
         text = json.dumps(messages, ensure_ascii=False)
         with self.transaction() as db:
             cur = db.execute("UPDATE samples SET status = 'pending', tokens = ?, loss_tokens = ?, "
@@ -563,6 +565,7 @@ class Ledger:
     def generated(self, sid: str) -> tuple[list[dict], dict[str, object]] | None:
         """The conversation the target wrote for a sample and the settings it used, or None;
         a stored text that no longer matches its checksum is an error, never returned."""
+        import json
         row = self.db.execute("SELECT messages, checksum, settings FROM generated WHERE id = ?",
                               (sid,)).fetchone()
         if row is None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from drafter_fixtures import cached_dataset, write_config
+from drafter_fixtures import MODEL, cached_dataset, write_config
 from eagle3d.statemachine.config import TrainConfig
 
 PY = sys.executable
@@ -304,6 +304,76 @@ def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, dat
     assert reference.keys() == trained.keys()
     for name in reference:
         torch.testing.assert_close(trained[name], reference[name], rtol=1e-4, atol=1e-6)
+
+
+def other_model_of_the_same_shape(where: Path) -> Path:
+    """A copy of the fixture's target with its last weight byte changed: every shape check
+    passes."""
+    import shutil
+    from eagle3d.statemachine.config import resolve_location
+    original = resolve_location(MODEL, Path("."))
+    other = where / original.name
+    shutil.copyfile(original, other)
+    with open(other, "r+b") as fh:
+        fh.seek(-1, 2)
+        byte = fh.read(1)[0]
+        fh.seek(-1, 1)
+        fh.write(bytes([byte ^ 1]))
+    return other
+
+
+def train_two_nodes(tmp_path: Path, data_root: Path, node1_data: Path,
+                    node1_model: str = MODEL) -> list[str]:
+    """Node 0 and node 1 of one training (2 steps), node 1 with its own dataset copy and
+    target; both must fail. Returns their logs."""
+    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.statemachine.config import load_config
+    port = free_port()
+    settings = {**SMALL, "max_steps": 2}
+    node0 = node_config(tmp_path / "node0", data_root, settings, 0, port)
+    node1 = node_config(tmp_path / "node1", node1_data, settings, 1, port)
+    node1.write_text(node1.read_text().replace(f'model = "{MODEL}"', f'model = "{node1_model}"'))
+    nodes = [subprocess.Popen(trainer_argv(load_config(c), c), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True) for c in (node0, node1)]
+    errors = [node.communicate(timeout=300)[1] for node in nodes]
+    for node, err in zip(nodes, errors):
+        assert node.returncode != 0, err[-3000:]
+    assert not (tmp_path / "node0" / "train" / "metrics.jsonl").exists()
+    return errors
+
+
+@pytest.mark.slow
+def test_a_rank_on_another_node_refuses_another_model(tmp_path, data_root):
+    """Node 1's copy of the target is another model of the same shape. Its rank checks the
+    weights it would load the embedding and head from, and both nodes stop before training
+    with one refusal naming node 1 and its model (the daemon's exit code for a contract
+    mismatch, in refusal.json); node 0, whose target is right, trains nothing."""
+    from eagle3d.statemachine import entry, train_files
+    other = other_model_of_the_same_shape(tmp_path)
+    for err in train_two_nodes(tmp_path, data_root, data_root, str(other)):
+        assert f"node 1 of 2: the target {other} is not the model this dataset was captured " \
+               "with" in err, err[-3000:]
+    refused = train_files.read_refusal(tmp_path / "node0" / "train")
+    assert refused is not None and refused.code == entry.CONTRACT_MISMATCH
+
+
+@pytest.mark.slow
+def test_a_rank_on_another_node_refuses_a_dataset_file_that_is_not_the_manifests(tmp_path,
+                                                                                  data_root):
+    """Node 1's copy of the dataset has two samples' files swapped (each a valid dump, of the
+    same contract): its ranks read the header of every file of their node and both nodes refuse,
+    naming node 1 and the file."""
+    import shutil
+    from eagle3d.statemachine import manifest as manifest_mod
+    copy = tmp_path / "copy"
+    shutil.copytree(data_root, copy)
+    a, b = [copy / "dataset" / s["path"]
+            for s in manifest_mod.read(copy / "dataset")["samples"][:2]]
+    a.rename(tmp_path / "a")
+    b.rename(a)
+    (tmp_path / "a").rename(b)
+    for err in train_two_nodes(tmp_path, data_root, copy):
+        assert f"node 1 of 2: refusing to train: {a} holds sample" in err, err[-3000:]
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eagle3d.dataset import dumpformat
-from eagle3d.capture.sglang_client import SGLangClient, healthy
+from eagle3d.capture.sglang_client import SGLangClient, check_serves, healthy
 from eagle3d.capture.sglang_plugin import (SPOT_FOLDER, SPOT_PREFIX, Capture, DumpWriter,
                                            ledger_loss_masks)
 from eagle3d.daemon.engine import deliver_redirected
@@ -79,6 +79,8 @@ def serve(fake: FakeSGLang) -> ThreadingHTTPServer:
             self.wfile.write(raw)
 
         def do_GET(self):
+            if self.path == "/get_model_info":
+                return self.reply(200, {"model_path": "/models/served"})
             if self.path != "/health":
                 return self.reply(404)
             fake.health_calls += 1
@@ -125,10 +127,13 @@ def spool(tmp_path: Path) -> Path:
 def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     samples = [[(7 * i + j) % 250 for j in range(5 + 3 * i)] for i in range(8)]
     too_long = list(range(CONTEXT_LENGTH + 1))
-    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples + [too_long])))
+    key = "k" * 32  # the server's request key: the dumps are named by sample ids all the same
+    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples + [too_long])),
+                        key)
     fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16"))
     server = serve(fake)
-    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4)
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4,
+                          request_key=key)
     try:
         assert not healthy(client.base_url, timeout=2.0)  # 503 while starting
         assert healthy(client.base_url, timeout=2.0)
@@ -155,6 +160,23 @@ def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     for ids in samples:
         check_dump(spool / dumpformat.dump_name(sample_id(ids)), ids, fake.table)
     writer.close()
+
+
+def test_a_server_that_loaded_another_model_path_is_refused():
+    """The generator checks the weights of its config's target, then asks the server which
+    model it loaded: another path (another server on the port, another config) is refused."""
+    from eagle3d.statemachine.entry import ContractMismatch
+    server = serve(FakeSGLang(None))
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        check_serves(url, "/models/served")
+        with pytest.raises(ContractMismatch, match="loaded /models/served, not the target "
+                                                   "/models/checked"):
+            check_serves(url, "/models/checked")
+    finally:
+        server.shutdown()
+    with pytest.raises(ContractMismatch, match="does not say which model it loaded"):
+        check_serves("http://127.0.0.1:9", "/models/served")  # the discard port: refused
 
 
 def test_a_server_that_is_not_there_yields_errors_not_hangs():

@@ -16,6 +16,7 @@ import pytest
 from eagle3d.capture import sglang_client
 from eagle3d.daemon.engine import EngineUnavailable, SGLangEngine
 from eagle3d.statemachine.config import parse_config
+from eagle3d.target.loading import fingerprint_file_or_folder
 from test_sglang_plugin import CONTRACT, REQUESTS, plan
 
 TESTS = Path(__file__).resolve().parent
@@ -35,16 +36,27 @@ def fake_sglang_python(tmp_path: Path) -> Path:
     info.mkdir(parents=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 0.5.17\n")
     python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nPYTHONPATH={fake}:{TESTS / 'fake_sglang'}:{TESTS} "
-                      f"exec {sys.executable} \"$@\"\n")
+    # The caller's PYTHONPATH last: a checkout that lends its code through it stays the one run.
+    paths = f"{fake}:{TESTS / 'fake_sglang'}:{TESTS}${{PYTHONPATH:+:$PYTHONPATH}}"
+    python.write_text(f"#!/bin/sh\nPYTHONPATH={paths} exec {sys.executable} \"$@\"\n")
     python.chmod(0o755)
     return python
 
 
-def engine(tmp_path: Path, port: int | None = None) -> SGLangEngine:
-    """An engine whose [sglang] python is fake_sglang_python."""
+def weights(folder: Path, content: bytes) -> Path:
+    """A model folder whose one weights file holds `content`."""
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(content)
+    return folder
+
+
+def engine(tmp_path: Path, port: int | None = None,
+           served: bytes = b"the captured model") -> SGLangEngine:
+    """An engine whose [sglang] python is fake_sglang_python, for a capture contract of the
+    model folder `captured/`, serving the model folder `model/` (with `served` weights)."""
     python = fake_sglang_python(tmp_path)
-    (tmp_path / "model").mkdir()
+    weights(tmp_path / "model", served)
+    captured = weights(tmp_path / "captured", b"the captured model")
     (tmp_path / "data.json").write_text("[]")
     (tmp_path / "state").mkdir()
     plan(tmp_path / "state", REQUESTS)
@@ -56,8 +68,9 @@ def engine(tmp_path: Path, port: int | None = None) -> SGLangEngine:
         "sglang": {"python": str(python), "port": port or free_port(),
                    "startup_timeout_s": 60.0}},
         tmp_path / "eagle3d.toml")
-    return SGLangEngine(cfg, tmp_path / "pids", {"fingerprint": CONTRACT, "layer_ids": LAYERS,
-                                                 "dump_dtype": "bfloat16"})
+    return SGLangEngine(cfg, tmp_path / "pids", {
+        "fingerprint": CONTRACT, "layer_ids": LAYERS, "dtype": "bfloat16",
+        "dump_dtype": "bfloat16", "target_fingerprint": fingerprint_file_or_folder(captured)})
 
 
 def wait(eng: SGLangEngine, seconds: float) -> list[dict]:
@@ -79,6 +92,30 @@ def test_ready_after_a_slow_health_and_the_plugins_ready_file(tmp_path, monkeypa
         assert events == [{"event": "ready", "device": "sglang 0.5.17 tp=1"}]
     finally:
         eng.stop(5)
+
+
+def test_a_server_of_another_model_of_the_same_shape_is_refused_before_any_request(tmp_path,
+                                                                                   monkeypatch):
+    """The server loads a model whose weights differ from the captured one (same file, same
+    size): the plugin reports the fingerprint of the weights it loaded, and the engine never
+    becomes ready, so no request is sent and no dump reaches the spool; it is ended, with the
+    reason, which the extract stage shows without restarting it."""
+    monkeypatch.setenv("FAKE_SGLANG", "ok")
+    eng = engine(tmp_path, served=b"another model here")
+    try:
+        assert wait(eng, 60) == []
+        assert not eng.ready
+        assert f"the target {tmp_path / 'model'} (as SGLang loaded it) is not the model this " \
+               "dataset was captured with" in eng.problem
+        deadline = time.monotonic() + 10
+        while eng.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert eng.poll() is not None
+    finally:
+        eng.stop(5)
+    dumps = [p for p in (tmp_path / "spool").rglob("*") if p.is_file()
+             and p.name != "ready.json"]
+    assert dumps == []
 
 
 def test_a_server_without_the_plugin_is_never_ready(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import pytest
 
 from eagle3d.capture.sglang_launcher import (CAPTURE_FLAGS, SUPPORTED, check_version,
                                              generation_command, launch_command, shell_line)
-from eagle3d.capture.sglang_plugin import ENV_TOKEN, CaptureSettings
+from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN, CaptureSettings
 from eagle3d.statemachine.config import parse_config
 
 CONTRACT = {"fingerprint": "c" * 32, "layer_ids": [2, 30, 58], "dtype": "bfloat16",
@@ -50,14 +50,27 @@ def test_command_starts_sglang_with_the_flags_capture_needs(tmp_path, monkeypatc
     settings = CaptureSettings.from_env(env)
     assert settings == CaptureSettings(tmp_path / "spool", "c" * 32, (2, 30, 58),
                                        tmp_path / "state" / "ledger.sqlite", "float8_e4m3fn",
-                                       env[ENV_TOKEN])
+                                       env[ENV_TOKEN], env[ENV_REQUEST_KEY])
     assert "SGLANG_PLUGINS" not in env  # unset: SGLang loads every installed plugin
     # /health answers at once instead of running a generation the daemon would wait on.
     assert env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] == "0"
-    assert settings.token and launch_command(config(tmp_path), CONTRACT)[1][ENV_TOKEN] != \
-        settings.token  # each start its own: an old ready file is not taken for this one
+    again = launch_command(config(tmp_path), CONTRACT)[1]
+    assert settings.token and again[ENV_TOKEN] != settings.token  # each start its own: an
+    # old ready file is not taken for this one
+    # Each start's own request key, which no command line shows (a local user reads those).
+    assert len(settings.request_key) == 32 and again[ENV_REQUEST_KEY] != settings.request_key
+    assert settings.request_key not in " ".join(argv)
     line = shell_line(argv, env)
     assert shlex.split(line)[-len(argv):] == argv and "EAGLE3D_LAYER_IDS=2,30,58" in line
+
+
+def test_the_capturing_server_computes_in_the_contracts_dtype(tmp_path):
+    """[target] dtype edited after the capture began, then a restart: the server still computes
+    in the dtype every dump of the dataset was made with."""
+    cfg = config(tmp_path)
+    cfg = cfg._replace(target=cfg.target._replace(dtype="float16"))
+    argv, _ = launch_command(cfg, CONTRACT)
+    assert flag(argv, "--dtype") == CONTRACT["dtype"] == "bfloat16"
 
 
 def test_the_generation_server_serves_as_sglang_does_and_never_captures(tmp_path):

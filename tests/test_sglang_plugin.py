@@ -20,7 +20,7 @@ from eagle3d.dataset import dumpformat, precision
 from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, Capture, CaptureError,
                                            CaptureSettings, DumpWriter, HostBatch, check_layers,
                                            handshake_problem, ledger_loss_masks, prepare,
-                                           read_handshake, split_extend_batch)
+                                           read_handshake, request_id, split_extend_batch)
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 
 HIDDEN = 16
@@ -159,6 +159,28 @@ def test_capture_writes_one_dump_per_planned_request_and_ignores_decode(tmp_path
     writer.close()
 
 
+def test_only_requests_carrying_the_starts_request_key_are_dumped(tmp_path):
+    """Any local user can reach the server's port: a request for a planned sample without this
+    start's request key (or with another's) writes nothing; the daemon's, with it, write the
+    sample's dump under its own name."""
+    table = hidden_table()
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    key = "k" * 32
+    writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, REQUESTS)), key)
+    capture = Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16")
+    foreign = [(sample_id(ids), ids) for ids in REQUESTS] + \
+        [(request_id("j" * 32, sample_id(ids)), ids) for ids in REQUESTS]
+    assert capture.on_forward(**extend_batch(foreign, table)) == 0
+    ours = [(request_id(key, sample_id(ids)), ids) for ids in REQUESTS]
+    assert capture.on_forward(**extend_batch(ours, table)) == len(REQUESTS)
+    writer.flush()
+    for ids in REQUESTS:
+        check_dump(spool / dumpformat.dump_name(sample_id(ids)), ids, table)
+    assert writer.written == len(REQUESTS)
+    writer.close()
+
+
 def test_writer_writes_a_batch_only_once_its_copy_has_arrived(tmp_path):
     """On a GPU the rows reach the host behind the forward (the copy is only queued): the writer
     must wait for the copy's event, and the forward must not wait at all."""
@@ -240,6 +262,7 @@ class ServerArgs:
         self.enable_layernorm_sp = self.enable_attn_tp_input_scattered = False
         self.enable_two_batch_overlap = self.enable_return_aux_hidden_states = False
         self.speculative_algorithm = None
+        self.model_path, self.dtype = "/nonexistent/model", "bfloat16"
         self.cuda_graph_config = SimpleNamespace(prefill=SimpleNamespace(backend="disabled"))
         self.__dict__.update(changes)
 
@@ -298,8 +321,15 @@ def test_rank_0_reports_ready_with_what_it_read_back(tmp_path):
     found = read_handshake(s.spool, "t1")
     assert found["layers"] == [2, 16, 29] and found["sglang"] == "0.5.17"
     assert found["tp_size"] == 2 and found["attn_dp_size"] == 1 and found["pid"] > 0
-    assert handshake_problem(found, CONTRACT, [2, 16, 29], tp=2) is None
-    assert "tp=2" in handshake_problem(found, CONTRACT, [2, 16, 29], tp=1)
+    assert found["model_path"] == "/nonexistent/model" and found["dtype"] == "bfloat16"
+    wanted = {"fingerprint": CONTRACT, "layer_ids": [2, 16, 29], "dtype": "bfloat16",
+              "target_fingerprint": found["target_fingerprint"]}
+    assert handshake_problem(found, wanted, tp=2) is None
+    assert "tp=2" in handshake_problem(found, wanted, tp=1)
+    assert "computes in bfloat16, the capture contract says float16" in handshake_problem(
+        found, {**wanted, "dtype": "float16"}, tp=2)
+    assert "is not the model this dataset was captured with" in handshake_problem(
+        found, {**wanted, "target_fingerprint": "0" * 32}, tp=2)
     assert read_handshake(s.spool, "another start") is None  # a stale file is not this start's
     assert prepare(s, LlamaForCausalLM(), ServerArgs(tp_size=2), 1, 1, "0.5.17") is None
     capture.writer.close()

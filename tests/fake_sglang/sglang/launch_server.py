@@ -2,8 +2,9 @@
 with its default one-token health generation.
 
 Started with capture settings in its environment (the daemon's capturing server), it loads a
-"model" through the capture plugin's real load-model step (`prepare`) unless FAKE_SGLANG says
-otherwise:
+"model" from --model-path in --dtype through the capture plugin's real load-model step
+(`prepare`, which reports the weights fingerprint of that path in its ready file) unless
+FAKE_SGLANG says otherwise:
   ok            the plugin sets capture up and writes its ready file
   no-plugin     SGLang started without the plugin (or swallowed its failure in register())
   dp-attention  attention data parallelism on: the plugin refuses, which stops the server
@@ -40,7 +41,8 @@ def load_model(mode: str) -> None:
         chunked_prefill_size=int(arg("--chunked-prefill-size")),
         cuda_graph_config=SimpleNamespace(
             prefill=SimpleNamespace(backend=arg("--cuda-graph-backend-prefill"))),
-        enable_dp_attention=mode == "dp-attention")
+        enable_dp_attention=mode == "dp-attention", model_path=arg("--model-path"),
+        dtype=arg("--dtype"))
     settings = CaptureSettings.from_env(os.environ)
     prepare(settings, LlamaForCausalLM(), server_args, 0, 2 if mode == "dp-attention" else 1,
             "0.5.17")
@@ -88,6 +90,13 @@ class Generator:
 def handler(generate: Generator | None) -> type:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
+            if self.path == "/get_model_info":  # as SGLang names what it loaded
+                answer = json.dumps({"model_path": arg("--model-path")}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+                return
             time.sleep(HEALTH_SECONDS)
             self.send_response(200 if self.path == "/health" else 404)
             self.end_headers()
