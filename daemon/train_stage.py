@@ -148,7 +148,8 @@ class TrainStage:
                                                                         train_files.STARTING):
                 out["before_first_step"] = {"status": progress["status"],
                                             "since": progress.get("since")}
-        for key in ("step", "total_steps", "epoch", "loss", "acc", "tokens_per_s", "eta_s"):
+        for key in ("step", "total_steps", "epoch", "loss", "acc", "tokens_per_s", "eta_s",
+                    "data_wait"):
             if key in progress:
                 out[key] = progress[key]
         result = train_files.read_eval(self.dir)
