@@ -449,6 +449,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "check-config":
         print(f"{cfg.path}: OK ({cfg.target.engine} engine, target {cfg.target.model}, "
               f"{cfg.data.limit} conversations from {cfg.data.source})")
+        from eagle3d.dataset import readrate  # reads files: not on status's path
+        slow = readrate.check(cfg.paths.dataset_dir, cfg.train.nproc)
+        if slow:
+            print(f"warning: {slow}")
         return 0
     if args.command == "status":
         return cmd_status(cfg, args)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3d.daemon.children import Child, module_argv, remaining
+from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
@@ -54,6 +55,7 @@ class TrainStage:
         self.restarts = 0
         self.failure: str | None = None
         self.retry_at = 0.0
+        self.disk_probed = False  # the dataset's read rate, checked once per daemon
 
     @property
     def dir(self) -> Path:
@@ -82,9 +84,21 @@ class TrainStage:
             self.child = Child("evaluate", eval_argv(self.cfg), self.pid_dir)
         else:
             self.phase = "training"
+            self._probe_disk()
             train_files.clear_refusal(self.dir)
             self.child = Child("trainer", trainer_argv(
                 self.cfg, layout.config_in_force(self.cfg.paths.state_dir)), self.pid_dir)
+
+    def _probe_disk(self) -> None:
+        """Warn, once, where the dataset's disk is projected to read slower than the GPUs
+        consume (a short probe: half a second at most)."""
+        if self.disk_probed:
+            return
+        self.disk_probed = True
+        warning = readrate.check(self.cfg.paths.dataset_dir, self.cfg.train.nproc)
+        if warning:
+            log.warning("%s", warning)
+            self.ledger.event("slow_dataset_disk", warning)
 
     def _finished(self, code: int, fingerprint: str) -> None:
         name = self.child.name if self.child else "trainer"
