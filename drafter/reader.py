@@ -113,17 +113,17 @@ class Slot:
         row = {name: _row_bytes(first, name) for name in names}
         B, T = len(headers), max(h.tokens for h in headers)
         flat = dict(zip(names, self.carve([B * T * row[name] for name in names])))
-        rows = {name: flat[name].view(B, T * row[name]) for name in names}
+        # numpy, not torch, for the bytes: torch's ops would hand each small fill to its
+        # intra-op thread pool, which on a loaded host costs more than the fill.
         arrays = {name: flat[name].numpy() for name in names}
         for b, (fd, path, header) in enumerate(zip(fds, paths, headers)):
             if [(t.dtype, t.shape[1:]) for t in header.tensors.values()] != \
                     [(t.dtype, t.shape[1:]) for t in first.tensors.values()]:
                 raise DumpError(f"{path}: its tensors' dtypes or widths differ from "
                                 f"{paths[0]}'s in the same dataset")
-            n = header.tokens
+            n, start = header.tokens, b * T
             for name in names:
-                rows[name][b, n * row[name]:].zero_()
-            start = b * T
+                arrays[name][(start + n) * row[name]:(start + T) * row[name]] = 0
             read_fully(fd, [memoryview(arrays[name][start * row[name]:(start + n) * row[name]])
                             for name in names], header.tensors[names[0]].begin, path)
             if evict:
