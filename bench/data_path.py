@@ -231,7 +231,7 @@ def many_readers(world: int, paths: list[Path], lengths: list[int], batch_tokens
 
 
 def mb(rate: float) -> str:
-    return f"{rate / 1e6:,.0f} MB/s"
+    return f"{rate / 1e6:,.0f} MB/s" if rate >= 1e7 else f"{rate / 1e6:.3f} MB/s"
 
 
 def main(argv: list[str] | None = None) -> int:
