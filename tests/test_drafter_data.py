@@ -135,9 +135,8 @@ def test_each_rank_reads_its_own_share_and_together_every_sample_once(samples):
     seen: list[tuple[int, ...]] = []
     for rank_plan in data.plan_epoch(lengths, 1024, seed=2, epoch=0, world=world):
         for batch in as_read(paths, rank_plan):
-            for row, counts in zip(batch.input_ids, batch.targets.any(dim=1)):
-                if batch.tokens:
-                    seen.append(tuple(row[row.ne(0)].tolist()))
+            if batch.tokens:  # a filler trains nothing
+                seen += [tuple(row[row.ne(0)].tolist()) for row in batch.input_ids]
     dumps = [tuple(load_file(str(p))[dumpformat.INPUT_IDS].tolist()) for p in paths]
     assert sorted(seen) == sorted(dumps)
 
