@@ -87,8 +87,8 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int,
         window = sorted(order[w:w + WINDOW], key=lambda i: lengths[i])
         current: list[int] = []
         for i in window:
-            longest = max([lengths[j] for j in current] + [lengths[i]])
-            if current and longest * (len(current) + 1) > batch_tokens:
+            # The window is sorted by length: the sample joining is the batch's longest.
+            if current and lengths[i] * (len(current) + 1) > batch_tokens:
                 batches.append(Planned(tuple(current)))
                 current = []
             current.append(i)

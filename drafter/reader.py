@@ -99,6 +99,8 @@ class Slot:
         gains nothing from it staying there)."""
         fds = [os.open(paths[i], os.O_RDONLY) for i in planned.indices]
         try:
+            for fd in fds:  # the kernel reads ahead twice as far
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             headers = [header_of(fd, paths[i]) for fd, i in zip(fds, planned.indices)]
             return self._read(fds, [paths[i] for i in planned.indices], headers,
                               planned.trained, answers_only, evict)
