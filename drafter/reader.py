@@ -166,8 +166,12 @@ def batches(paths: list[Path], plan: Iterable[Planned], device: torch.device,
     slots = [Slot(pin=cuda) for _ in range(max(1, ahead))]
     jobs = enumerate(plan)
     pending: collections.deque[tuple[Slot, Future[StoredBatch]]] = collections.deque()
+    # A reader thread pins memory and waits on events of this rank's GPU: made current there,
+    # it opens no CUDA context on GPU 0 (the default of a new thread).
     pool = ThreadPoolExecutor(max_workers=max(1, min(readers, len(slots))),
-                              thread_name_prefix="eagle3d-data")
+                              thread_name_prefix="eagle3d-data",
+                              initializer=torch.cuda.set_device if cuda else None,
+                              initargs=(device,) if cuda else ())
 
     def submit() -> None:
         # Slots are taken in the plan's order: the oldest batch's slot is always the next
