@@ -43,7 +43,7 @@ def test_a_trainer_waiting_for_its_reader_records_the_share_and_names_the_reader
         assert fed["data_wait"] == 0.0 and not caplog.records
         starved = train_steps(reporter, progress, 20, 0.04, 0.03)
     reporter.close()
-    assert starved["data_wait"] > 0.5
+    assert starved["data_wait"] >= train_files.READER_LIMIT  # ~0.75, less on a loaded host
     named = [r.getMessage() for r in caplog.records]
     assert len(named) == 1, named
     assert "reader is the limit" in named[0] and "MB/s of dumps" in named[0]
