@@ -33,6 +33,7 @@ import argparse
 import atexit
 import multiprocessing
 import os
+import queue
 import shutil
 import sys
 import tempfile
@@ -222,11 +223,19 @@ def many_readers(world: int, paths: list[Path], lengths: list[int], batch_tokens
              for rank in range(world)]
     for p in procs:
         p.start()
-    got = dict(results.get(timeout=3600) for _ in procs)
+    got: dict[int, list[tuple[float, float, int]]] = {}
+    while len(got) < world:
+        try:
+            rank, times = results.get(timeout=5)
+            got[rank] = times
+        except queue.Empty:
+            failed = [p.exitcode for p in procs if p.exitcode]
+            if failed:  # the others wait at the barrier for it: end them
+                for p in procs:
+                    p.terminate()
+                raise RuntimeError(f"a reader process exited with code {failed[0]}")
     for p in procs:
         p.join()
-        if p.exitcode:
-            raise RuntimeError(f"a reader process exited with code {p.exitcode}")
     return (aggregate([got[r][0] for r in got]), aggregate([got[r][1] for r in got]))
 
 
