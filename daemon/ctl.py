@@ -199,6 +199,11 @@ def render_status(st: dict[str, Any]) -> str:
             parts.append("acc " + "/".join(f"{a:.2f}" for a in trainer["acc"]))
         if "tokens_per_s" in trainer:
             parts.append(f"{trainer['tokens_per_s']:,.0f} tokens/s")
+        if trainer.get("status") == "training" and "data_wait" in trainer:
+            wait = trainer["data_wait"]
+            parts.append(f"data wait {wait:.0%} of step time" + (
+                " (waiting for the reader: the dataset's disk sets the pace)"
+                if wait >= train_files.READER_LIMIT else ""))
         if "acceptance_length" in trainer:
             parts.append(f"acceptance length {trainer['acceptance_length']:.2f}")
         if trainer.get("blocked"):
@@ -462,6 +467,10 @@ def run(argv: list[str]) -> int:
     if args.command == "check-config":
         print(f"{cfg.path}: OK ({cfg.target.engine} engine, target {cfg.target.model}, "
               f"{cfg.data.limit} conversations from {cfg.data.source})")
+        from eagle3d.dataset import readrate  # reads files: not on status's path
+        slow = readrate.check(cfg.paths.dataset_dir, cfg.train.nproc)
+        if slow:
+            print(f"warning: {slow}")
         return 0
     if args.command == "status":
         return cmd_status(cfg, args)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
+from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config, in_force_check
 from eagle3d.statemachine.ledger import Ledger
@@ -60,6 +61,7 @@ class TrainStage:
         self.started_for = ""  # the manifest fingerprint current when the child started
         self.phase = "idle"  # idle | training | evaluating | stopping | done | failed
         self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts)
+        self.disk_probed = False  # the dataset's read rate, checked once per daemon
 
     @property
     def dir(self) -> Path:
@@ -105,6 +107,7 @@ class TrainStage:
             self.child = Child("evaluate", eval_argv(self.cfg), self.pid_dir)
         else:
             self.phase = "training"
+            self._probe_disk()
             train_files.clear_refusal(self.dir)
             self.child = Child("trainer", [*trainer_argv(
                 self.cfg, layout.config_in_force(self.cfg.paths.state_dir)),
@@ -120,6 +123,17 @@ class TrainStage:
         self.child.terminate(self.cfg.train.stop_grace_s)
         self.leaving, self.child = self.child, None
         self.phase = "stopping"
+
+    def _probe_disk(self) -> None:
+        """Warn, once, where the dataset's disk is projected to read slower than the GPUs
+        consume (a short probe: half a second at most)."""
+        if self.disk_probed:
+            return
+        self.disk_probed = True
+        warning = readrate.check(self.cfg.paths.dataset_dir, self.cfg.train.nproc)
+        if warning:
+            log.warning("%s", warning)
+            self.ledger.event("slow_dataset_disk", warning)
 
     def _finished(self, code: int, fingerprint: str) -> None:
         name = self.child.name if self.child else "trainer"
@@ -197,7 +211,8 @@ class TrainStage:
                                                                         train_files.STARTING):
                 out["before_first_step"] = {"status": progress["status"],
                                             "since": progress.get("since")}
-        for key in ("step", "total_steps", "epoch", "loss", "acc", "tokens_per_s", "eta_s"):
+        for key in ("step", "total_steps", "epoch", "loss", "acc", "tokens_per_s", "eta_s",
+                    "data_wait"):
             if key in progress:
                 out[key] = progress[key]
         result = train_files.read_eval(self.dir)

@@ -29,19 +29,31 @@ class RecentRate:
 
     def __init__(self, window_s: float = 10.0) -> None:
         self.window_s = window_s
-        self.steps: collections.deque[tuple[float, float, float]] = collections.deque()
+        self.steps: collections.deque[tuple[float, float, float, float]] = collections.deque()
 
-    def add(self, started: float, ended: float, tokens: float) -> float:
-        self.steps.append((started, ended, tokens))
+    def add(self, started: float, ended: float, tokens: float, waited: float = 0.0) -> float:
+        """A step from `started` to `ended` that trained `tokens` after `waited` seconds for
+        its batch; returns the window's tokens/s."""
+        self.steps.append((started, ended, tokens, waited))
         while ended - self.steps[0][1] > self.window_s:
             self.steps.popleft()
-        return sum(t for _, _, t in self.steps) / max(ended - self.steps[0][0], 1e-9)
+        return sum(s[2] for s in self.steps) / self.span
+
+    @property
+    def span(self) -> float:
+        return max(self.steps[-1][1] - self.steps[0][0], 1e-9)
+
+    @property
+    def wait_share(self) -> float:
+        """The share of the window's time the steps spent waiting for their batches."""
+        return min(1.0, sum(s[3] for s in self.steps) / self.span)
 
 
 @dataclass
 class StepFigures:
     """One step's figures on their way to the host: [loss x count per TTT step, correct per TTT
-    step, count per TTT step, tokens, stop requests], summed over the ranks. They are read one
+    step, count per TTT step, tokens, stop requests, seconds waited for the batch / world],
+    summed over the ranks (the wait: its mean over them). They are read one
     step late, with the next step already queued on the GPU: reading them at once would drain
     its queue at every step and leave it idle while the host starts the next."""
     step: int
@@ -54,8 +66,10 @@ class StepFigures:
     @classmethod
     def send(cls, device: torch.device, world: int, step: int, epoch: float, lr: float,
              started: float, per_step: torch.Tensor, correct: torch.Tensor,
-             counted: torch.Tensor, tokens: int, stop_requested: bool) -> StepFigures:
-        extra = data.sent(torch.tensor([float(tokens), float(stop_requested)]), device)
+             counted: torch.Tensor, tokens: int, stop_requested: bool,
+             waited: float = 0.0) -> StepFigures:
+        extra = data.sent(torch.tensor([float(tokens), float(stop_requested), waited / world]),
+                          device)
         values = torch.cat([per_step.float() * counted, correct.float(), counted.float(), extra])
         if world > 1:
             dist.all_reduce(values)
@@ -74,11 +88,14 @@ class StepFigures:
 
 class Reporter:
     """The metrics file, the progress file and the log, from each step's figures; the metrics
-    and progress only where given (the main rank)."""
+    and progress only where given (the main rank). `bytes_per_token` (the dataset's) turns the
+    tokens/s into the read rate the log names when the reader is the limit."""
 
     def __init__(self, ttt_steps: int, total: int, started_step: int,
-                 metrics_path: Path | None, progress: train_files.ProgressWriter | None) -> None:
-        self.ttt_steps, self.total = ttt_steps, total
+                 metrics_path: Path | None, progress: train_files.ProgressWriter | None,
+                 bytes_per_token: int = 0) -> None:
+        self.ttt_steps, self.total, self.bytes_per_token = ttt_steps, total, bytes_per_token
+        self.reader_named = False  # the log names the reader as the limit once
         self.recent = RecentRate()
         self.last_log = 0.0
         # The pace the ETA projects is counted from the first step reported: the wait for it
@@ -97,7 +114,7 @@ class Reporter:
         step_loss = [v / n for v, n in zip(values[:k], counts)]
         acc = [v / n for v, n in zip(values[k:2 * k], counts)]
         now = time.monotonic()
-        tokens_per_s = self.recent.add(figures.started, now, values[3 * k])
+        tokens_per_s = self.recent.add(figures.started, now, values[3 * k], values[3 * k + 2])
         if self.metrics is not None and self.progress is not None:
             weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
             row = {"step": figures.step, "epoch": figures.epoch, "loss": weighted,
@@ -113,12 +130,27 @@ class Reporter:
             last = figures.step == self.total
             self.progress.write(train_files.TRAINING, force=last, step=figures.step,
                                 epoch=figures.epoch, loss=weighted, acc=acc,
-                                tokens_per_s=tokens_per_s, eta_s=eta)
+                                tokens_per_s=tokens_per_s, eta_s=eta,
+                                data_wait=round(self.recent.wait_share, 4))
+            self.name_the_reader(tokens_per_s)
             if now - self.last_log > 10 or last:
                 self.last_log = now
                 log.info("step %d/%d loss %.3f acc %s %.0f tok/s", figures.step, self.total,
                          weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s)
         return values[3 * k + 1] > 0
+
+    def name_the_reader(self, tokens_per_s: float) -> None:
+        """Once a whole window of steps waited for data past the limit, say so, with figures."""
+        share = self.recent.wait_share
+        if (self.reader_named or share < train_files.READER_LIMIT
+                or self.recent.span < self.recent.window_s):
+            return
+        self.reader_named = True
+        log.warning("the dataset's reader is the limit, not the GPU: the steps waited for data "
+                    "%.0f%% of the last %.0f s, training %.0f tokens/s, reading %.0f MB/s of "
+                    "dumps (%d bytes per token); a faster disk, or the dataset on local NVMe, "
+                    "would train faster", 100 * share, self.recent.span, tokens_per_s,
+                    tokens_per_s * self.bytes_per_token / 1e6, self.bytes_per_token)
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -12,7 +12,6 @@ train folder. `progress.json` tells the daemon where it is.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import math
@@ -22,16 +21,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from eagle3d.dataset import dumpformat
+from eagle3d.dataset import contract as contract_mod, dumpformat
 from eagle3d.target import identity
 from eagle3d.target.loading import cpu_computes_bf16, pick_device
 from eagle3d.target.loading import load_config as load_target_config
-from eagle3d.drafter import checkpoint, data, loss as loss_mod, vocab as vocab_mod
+from eagle3d.drafter import checkpoint, data, loss as loss_mod, reader, vocab as vocab_mod
 from eagle3d.drafter.export import export
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.plots import plot_metrics
@@ -397,26 +396,25 @@ def save_checkpoint(run: Run) -> None:
         dist.barrier()
 
 
-def upcoming(run: Run) -> Iterator[data.Planned]:
-    """This rank's batches from where the run stands to its last step."""
-    start = sum(len(plan) for plan in run.plans[:run.epoch]) + run.pos
-    return itertools.islice(itertools.chain.from_iterable(run.plans), start,
-                            start + run.total - run.step)
-
-
 def train_loop(run: Run) -> bool:
     """Step until the last step or an agreed SIGTERM (checkpointed); True when stopped early."""
     cfg, rt = run.cfg, run.rt
     stop = Stop()
     reporter = Reporter(cfg.train.ttt_steps, run.total, run.step,
-                        layout.metrics_file(run.dir) if rt.main else None, run.progress)
-    loader = data.batches(run.paths, upcoming(run), rt.device,
-                          answers_only=cfg.train.loss_on == "answers")
+                        layout.metrics_file(run.dir) if rt.main else None, run.progress,
+                        dumpformat.bytes_per_token(run.model.cfg.target_hidden_size,
+                                                   contract_mod.dump_dtype(run.contract)
+                                                   or "bfloat16"))
+    # This rank's batches from where the run stands to its last step.
+    loader = reader.batches(run.paths, data.remaining(run.plans, run.epoch, run.pos,
+                                                      run.total - run.step),
+                            rt.device, answers_only=cfg.train.loss_on == "answers")
     pending: StepFigures | None = None  # the step before, not yet reported
     try:
         while run.step < run.total:
             started = time.monotonic()
             batch = next(loader)
+            waited = time.monotonic() - started
             _, per_step, correct, counted = train_step(run.ddp, run.optimizer, batch,
                                                        run.teacher_head, cfg.train.ttt_steps,
                                                        cfg.train.grad_clip)
@@ -429,7 +427,7 @@ def train_loop(run: Run) -> bool:
                      if run.epoch < len(run.plans) else float(len(run.plans)))
             figures = StepFigures.send(rt.device, rt.world, run.step, epoch, lr, started,
                                        per_step, correct, counted, batch.tokens,
-                                       stop.requested)
+                                       stop.requested, waited)
             stopping = pending is not None and reporter.report(pending)
             pending = figures
             checkpoint_due = run.step % cfg.train.checkpoint_every == 0 or run.step == run.total

@@ -24,6 +24,11 @@ from eagle3d.statemachine.atomic import atomic_write_bytes
 LOADING, STARTING, TRAINING, EXPORTING, DONE = "loading", "starting", "training", "exporting", \
     "done"
 
+# progress.json's `data_wait`: the share of the trainer's recent time spent waiting for batches
+# from the dataset. Past this share the reader, not the GPU, sets the pace: the trainer's log
+# says so once and `eagle3ctl status` shows it.
+READER_LIMIT = 0.10
+
 
 def _read(path: Path) -> dict[str, Any] | None:
     try:

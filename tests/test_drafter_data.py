@@ -1,15 +1,22 @@
 """The training data plan across ranks: every sample once per epoch, no rank short of a batch,
-and batches read from the real SmolLM2 dumps, in line or prefetched."""
+and batches read from the real SmolLM2 dumps: the same as the dumps hold, each rank its share,
+a resume reading nothing before its place, host memory bounded whatever the dataset's size."""
 
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from drafter_fixtures import cached_dataset
-from eagle3d.drafter import data
+from eagle3d.dataset import dumpformat
+from eagle3d.drafter import data, reader
 from eagle3d.statemachine import manifest as manifest_mod
 
 # 37 samples of uneven lengths: batches of 1 to several samples, and a batch count that no
@@ -50,31 +57,63 @@ def samples():
                                                            manifest["samples"]]
 
 
+CPU = torch.device("cpu")
+
+
+def as_read(paths: list[Path], plan, **kwargs) -> list[data.Batch]:
+    return list(reader.batches(paths, plan, CPU, **kwargs))
+
+
+def padded(paths: list[Path], planned: data.Planned, answers_only: bool = True) -> dict:
+    """What the batch must hold: each dump as safetensors reads it, right-padded with zeros."""
+    rows = [load_file(str(paths[i])) for i in planned.indices]
+    T = max(r[dumpformat.INPUT_IDS].shape[0] for r in rows)
+    want = {"input_ids": torch.zeros(len(rows), T, dtype=torch.int64),
+            "aux": torch.zeros(len(rows), T, *rows[0][dumpformat.AUX].shape[1:],
+                               dtype=rows[0][dumpformat.AUX].dtype),
+            "last": torch.zeros(len(rows), T, *rows[0][dumpformat.LAST].shape[1:],
+                                dtype=rows[0][dumpformat.LAST].dtype),
+            "targets": torch.zeros(len(rows), T, dtype=torch.bool)}
+    for b, r in enumerate(rows):
+        n = r[dumpformat.INPUT_IDS].shape[0]
+        want["input_ids"][b, :n] = r[dumpformat.INPUT_IDS]
+        want["aux"][b, :n] = r[dumpformat.AUX]
+        want["last"][b, :n] = r[dumpformat.LAST]
+        if planned.trained:
+            want["targets"][b, :n - 1] = (r[dumpformat.LOSS_MASK][1:].bool() if answers_only
+                                          else True)
+    return want
+
+
+def assert_holds(batch: data.Batch, want: dict) -> None:
+    for name, tensor in want.items():
+        assert torch.equal(getattr(batch, name), tensor), name
+
+
 def test_a_filler_is_read_but_trains_nothing(samples):
     paths, lengths = samples
     plan = data.plan_epoch(lengths, 4096, seed=0, epoch=0, world=len(lengths) + 1)
     filler = plan[-1][-1]
     assert not filler.trained
-    batch = data.read_batch(paths, filler)
+    batch, real = as_read(paths, [filler, data.Planned(filler.indices)])
     assert batch.tokens == 0 and not batch.targets.any()
     assert batch.input_ids.shape[1] == min(lengths)
-    real = data.read_batch(paths, data.Planned(filler.indices))
     assert real.tokens == min(lengths) and real.targets.any()
-    cpu = torch.device("cpu")
-    assert torch.equal(real.to(cpu).aux, batch.to(cpu).aux)
+    assert torch.equal(real.aux, batch.aux)
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_batches_come_in_plan_order_with_or_without_prefetch(samples, prefetch):
+@pytest.mark.parametrize("ahead,readers", [(1, 1), (3, 2)])
+def test_batches_hold_the_dumps_padded_in_plan_order_however_many_read_ahead(samples, ahead,
+                                                                              readers):
+    """The same batches as reading each dump and padding it: reused buffers leave nothing of
+    an earlier batch behind, in the padding either."""
     paths, lengths = samples
     plan = data.plan_epoch(lengths, 1024, seed=0, epoch=0, world=1)[0]
-    got = list(data.batches(paths, plan, torch.device("cpu"), prefetch=prefetch))
+    got = as_read(paths, plan, ahead=ahead, readers=readers)
     assert len(got) == len(plan)
     for planned, batch in zip(plan, got):
-        want = data.read_batch(paths, planned)
-        assert batch.tokens == want.tokens == sum(lengths[i] for i in planned.indices)
-        assert torch.equal(batch.input_ids, want.input_ids)
-        assert torch.equal(batch.targets, want.targets)
+        assert batch.tokens == sum(lengths[i] for i in planned.indices)
+        assert_holds(batch, padded(paths, planned))
 
 
 def test_loss_on_every_position_counts_all_but_each_rows_last_and_never_padding(samples):
@@ -82,11 +121,86 @@ def test_loss_on_every_position_counts_all_but_each_rows_last_and_never_padding(
     too; padding and a row's last token (no next token) never count."""
     paths, lengths = samples
     planned = data.Planned(tuple(range(4)))
-    answers = data.read_batch(paths, planned)
-    every = data.read_batch(paths, planned, answers_only=False)
+    answers, = as_read(paths, [planned])
+    every, = as_read(paths, [planned], answers_only=False)
+    assert_holds(every, padded(paths, planned, answers_only=False))
     assert every.tokens == answers.tokens
-    for b, i in enumerate(planned.indices):
-        n = lengths[i]
-        assert every.targets[b, :n - 1].all() and not every.targets[b, n - 1:].any()
     assert answers.targets.sum() < every.targets.sum()
     assert not (answers.targets & ~every.targets).any()
+
+
+def test_each_rank_reads_its_own_share_and_together_every_sample_once(samples):
+    paths, lengths = samples
+    world = 3
+    seen: list[tuple[int, ...]] = []
+    for rank_plan in data.plan_epoch(lengths, 1024, seed=2, epoch=0, world=world):
+        for batch in as_read(paths, rank_plan):
+            if batch.tokens:  # a filler trains nothing
+                seen += [tuple(row[row.ne(0)].tolist()) for row in batch.input_ids]
+    dumps = [tuple(load_file(str(p))[dumpformat.INPUT_IDS].tolist()) for p in paths]
+    assert sorted(seen) == sorted(dumps)
+
+
+def test_a_resume_skips_the_trained_batches_without_reading_them(samples, tmp_path):
+    """The dumps of the batches before the resume's place are gone: nothing asks for them."""
+    paths, lengths = samples
+    plans = [data.plan_epoch(lengths, 1024, seed=0, epoch=e, world=1)[0] for e in range(2)]
+    epoch, pos = 1, 4
+    later = plans[1][pos:]
+    needed = {i for planned in later for i in planned.indices}
+    gone = [p if i in needed else tmp_path / "gone.safetensors" for i, p in enumerate(paths)]
+    resumed = data.remaining(plans, epoch, pos, len(later))
+    got = as_read(gone, resumed)
+    assert len(got) == len(later)
+    for planned, batch in zip(later, got):
+        assert_holds(batch, padded(paths, planned))
+
+
+def test_a_damaged_dump_is_named_in_the_error(samples, tmp_path):
+    paths, _ = samples
+    cut = tmp_path / paths[0].name
+    cut.write_bytes(paths[0].read_bytes()[:-100])
+    with pytest.raises(dumpformat.DumpError, match=str(cut)):
+        as_read([cut], [data.Planned((0,))])
+
+
+MEMORY_PROBE = textwrap.dedent("""
+    import resource, sys
+    from pathlib import Path
+    import torch
+    from eagle3d.drafter import data, reader
+    paths = sorted(Path(sys.argv[1]).glob("*.safetensors"))
+    plan = [data.Planned((i,)) for i in range(len(paths))]
+    list(reader.batches(paths, plan[:2], torch.device("cpu"), ahead=2))  # warm: imports, pools
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    total = 0.0
+    for batch in reader.batches(paths, plan, torch.device("cpu"), ahead=int(sys.argv[2])):
+        total += float(batch.aux[0, 0, 0])  # the batch is used, as a step would
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print((after - before) * 1024)
+""")
+
+
+def test_host_memory_stays_at_the_read_ahead_on_a_dataset_many_times_larger(tmp_path):
+    """A dataset 8x the read-ahead bound, read in a process of its own: its peak resident
+    memory grows by at most the bound (the slots, plus the batch in use and the one before
+    on CPU) and a margin, whatever the dataset's size."""
+    tokens, hidden, ahead = 1024, 256, 2
+    sample = dumpformat.bytes_per_token(hidden, "bfloat16") * tokens  # ~2 MiB
+    bound = (ahead + 2) * sample
+    count = 8 * bound // sample
+    g = torch.Generator().manual_seed(0)
+    for n in range(count):
+        ids = torch.randint(0, 1000, (tokens,), dtype=torch.int32, generator=g)
+        dumpformat.write_dump(tmp_path, f"{n:032x}", "fp", {
+            "input_ids": ("I32", (tokens,), ids.numpy().tobytes()),
+            "loss_mask": ("U8", (tokens,), b"\1" * tokens),
+            "aux_hidden_states": ("BF16", (tokens, 3 * hidden), bytes(6 * hidden * tokens)),
+            "last_hidden_state": ("BF16", (tokens, hidden), bytes(2 * hidden * tokens))})
+    dataset = sum(p.stat().st_size for p in tmp_path.iterdir())
+    assert dataset >= 8 * bound
+    out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path), str(ahead)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grown = int(out.stdout.split()[-1])
+    assert grown < bound + 4 * 2**20, (grown, bound, dataset)
