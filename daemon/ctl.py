@@ -185,10 +185,10 @@ def render_status(st: dict[str, Any]) -> str:
                      f"{e.get('restarts', 0)} restarts" +
                      (f": {e['blocked']}" if e.get("blocked") else ""))
     if trainer:
+        from eagle3d.statemachine import train_files  # only where there is a trainer to show
         parts = [trainer.get("status", "idle")]
         early = trainer.get("before_first_step")
         if early:
-            from eagle3d.statemachine import train_files  # rare: status starts without it
             waited = time.time() - early["since"] if early.get("since") else None
             parts.append(f"{early['status']} for {_human_s(waited)}" + (
                 " (the first step: on a GPU the fused kernels compile, a minute or more the "
