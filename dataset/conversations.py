@@ -124,7 +124,10 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, object]]:
                 continue
             try:
                 yield lineno, json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            except json.JSONDecodeError as exc:  # its own "line 1" would be the record's
+                yield lineno, Broken(f"line {lineno} is not valid JSON: {exc.msg} at column "
+                                     f"{exc.colno}")
+            except UnicodeDecodeError as exc:
                 yield lineno, Broken(f"line {lineno} is not valid JSON: {exc}")
 
 
