@@ -65,7 +65,7 @@ def _cache_name(cls: type) -> str:
     return "cache" if "cache" in inspect.signature(cls.forward).parameters else "past_key_values"
 
 
-def _cached(module: Any, cache: Any) -> dict[str, Any]:
+def cache_kwargs(module: Any, cache: Any) -> dict[str, Any]:
     return {_cache_name(type(module)): cache, "use_cache": True}
 
 
@@ -74,11 +74,11 @@ def greedy(target: Any, prompt: list[int], max_new: int, eos: set[int]) -> list[
     from transformers import DynamicCache
     cache = DynamicCache()
     logits = target(input_ids=torch.tensor([prompt], device=target.device),
-                    **_cached(target, cache)).logits
+                    **cache_kwargs(target, cache)).logits
     tokens = [int(logits[0, -1].argmax())]
     while len(tokens) < max_new and tokens[-1] not in eos:
         logits = target(input_ids=torch.tensor([[tokens[-1]]], device=target.device),
-                        **_cached(target, cache)).logits
+                        **cache_kwargs(target, cache)).logits
         tokens.append(int(logits[0, -1].argmax()))
     return tokens
 
@@ -143,7 +143,7 @@ def speculative(target: Any, tap: LayerTap, drafter: Eagle3Drafter, vocab: Draft
     # The head only where each prompt ends: over every prompt position, the logits of a batch
     # would take gigabytes.
     hidden = target.model(input_ids=ids, attention_mask=held.long(), position_ids=positions,
-                          **_cached(target.model, cache)).last_hidden_state
+                          **cache_kwargs(target.model, cache)).last_hidden_state
     newest = target.lm_head(hidden[rows, held.sum(1) - 1]).argmax(-1)  # [B]: not yet cached
     results = [Decoded(tokens=[int(t)]) for t in newest.tolist()]
     active = [max_new > 1 and r.tokens[0] not in eos for r in results]
@@ -174,7 +174,7 @@ def speculative(target: Any, tap: LayerTap, drafter: Eagle3Drafter, vocab: Draft
         step_pos = at[:, None] + torch.arange(k + 1, device=dev)
         held = torch.cat([held, torch.ones(B, k + 1, dtype=torch.bool, device=dev)], 1)
         checked = target(input_ids=proposal, attention_mask=held.long(), position_ids=step_pos,
-                         **_cached(target, cache)).logits.argmax(-1)  # [B, k + 1]
+                         **cache_kwargs(target, cache)).logits.argmax(-1)  # [B, k + 1]
         hits = (proposal[:, 1:] == checked[:, :k]).long().cumprod(1).sum(1)  # drafts accepted
         kept = torch.arange(k + 1, device=dev)[None, :] <= hits[:, None]
         held[:, -(k + 1):] = kept  # the rejected drafts leave every row's view of the cache
