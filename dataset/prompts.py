@@ -2,8 +2,9 @@
 
 - MT-bench's questions, JSON lines of {"question_id", "category", "turns": [question, ...]};
 - OpenAI-style chats, JSON lines of {"messages": [{"role", "content"}, ...]};
-- ShareGPT, a JSON array of {"conversations": [{"from", "value"}, ...]} (or the same records
-  as JSON lines).
+- ShareGPT, a JSON array of {"conversations": [{"from", "value"}, ...]}.
+
+Any of them may be JSON lines or one JSON array.
 
 The format is detected from the file's first record, and every record must then be of it. A
 line that is not JSON, or a record of another shape, is an error naming the file and the line
@@ -36,7 +37,7 @@ class Question(NamedTuple):
 
 def detect_format(path: Path) -> str:
     """MT_BENCH, MESSAGES or SHAREGPT, from the file's first character and first record."""
-    for where, record in _records(path, SHAREGPT if _is_array(path) else None):
+    for where, record in _records(path):
         if isinstance(record, dict) and isinstance(record.get("turns"), list):
             return MT_BENCH
         if isinstance(record, dict) and isinstance(record.get("conversations"), list):
@@ -53,7 +54,7 @@ def read_questions(path: Path, first: int = 0, limit: int | None = None) -> Iter
     """The questions with index in [first, first + limit), in file order."""
     fmt = detect_format(path)
     end = None if limit is None else first + limit
-    for idx, (where, record) in enumerate(_records(path, fmt)):
+    for idx, (where, record) in enumerate(_records(path)):
         if idx < first:
             continue
         if end is not None and idx >= end:
@@ -69,10 +70,8 @@ def _is_array(path: Path) -> bool:
         raise PromptError(f"{path}: cannot be read ({exc.strerror})") from None
 
 
-def _records(path: Path, fmt: str | None) -> Iterator[tuple[str, object]]:
+def _records(path: Path) -> Iterator[tuple[str, object]]:
     if _is_array(path):
-        if fmt not in (None, SHAREGPT):
-            raise PromptError(f"{path}: a JSON array, where {fmt} prompts are JSON lines")
         for n, record in enumerate(json_array(path), 1):
             yield f"record {n}", record
         return
