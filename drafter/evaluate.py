@@ -584,6 +584,8 @@ def _summary(report: dict[str, Any], asked: int, skipped: dict[str, int]) -> str
         "by depth in the answer (new tokens from: acceptance length): "
         + " ".join(f"{b['from']}: {b['acceptance_length']:.2f}"
                    for b in report["acceptance_length_by_depth"])]
+    if report["acceptance_length_by_category"]:
+        lines.append("by category (acceptance length, 95% interval, prompts):")
     for category, c in report["acceptance_length_by_category"].items():
         lo, hi = c["acceptance_length_ci95"]
         lines.append(f"  {category}: {c['acceptance_length']:.3f} ({lo:.3f}-{hi:.3f}, "

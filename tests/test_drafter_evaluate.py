@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from drafter_fixtures import MODEL, cached_dataset, write_config
-from eagle3d.drafter.evaluate import (Drafting, Tree, by_depth, evaluate, greedy, is_greedy,
-                                      longest_match, read_answer, speculative, tree_speculative)
+from eagle3d.drafter.evaluate import (Drafting, Tree, _summary, by_depth, evaluate, greedy,
+                                      is_greedy, longest_match, read_answer, speculative,
+                                      tree_speculative)
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import from_counts
 from eagle3d.statemachine.config import resolve_location
@@ -192,3 +193,32 @@ def test_tree_drafting_decodes_as_plain_greedy_and_a_wrong_verification_is_caugh
                                 read_answer(target, tap, prompt, wrong.tokens).choices)
             caught += not same
     assert caught == len(prompts)
+
+
+def test_eval_of_an_mt_bench_file_as_a_tree_every_turn_keeps_greedy_output(echo, tmp_path):
+    """The command a user runs: an exported drafter, a file of MT-bench questions, SGLang's tree
+    settings, every turn after the target's own answers; per category, identical to greedy."""
+    from eagle3d.drafter.export import export
+    from eagle3d.statemachine import layout
+    from tests.conftest import make_config, venv_bin
+    config = make_config(tmp_path, {"eval": {"max_new_tokens": 12}})
+    export(echo.drafter, echo.vocab, {"layer_ids": [2, 15, 29],
+                                      "architecture": "LlamaForCausalLM"},
+           layout.export_dir(tmp_path / "train"))
+    questions = tmp_path / "question.jsonl"
+    questions.write_text("".join(json.dumps(q) + "\n" for q in [
+        {"question_id": 1, "category": "writing", "turns": ["Say ha ha ha.", "Once more."]},
+        {"question_id": 2, "category": "math", "turns": ["What is 2 + 2?"]}]))
+    run = subprocess.run([venv_bin("eagle3ctl"), "-c", str(config), "eval", "--prompts",
+                          str(questions), "--every-turn", "--steps", "3", "--topk", "4",
+                          "--num-draft-tokens", "6", "--json"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert report["identical_to_greedy"] is True
+    assert report["drafting"] == {"steps": 3, "topk": 4, "num_draft_tokens": 6}
+    assert (report["source_format"], report["prompts"]) == ("mt-bench", 3)
+    assert {c: v["prompts"] for c, v in report["acceptance_length_by_category"].items()} == \
+        {"writing": 2, "math": 1}
+    summary = _summary(report, 2, {})  # what the command prints without --json
+    assert "top-k 4, 6 draft tokens (tree)" in summary and "  writing: " in summary
