@@ -303,12 +303,13 @@ def cmd_events(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     import subprocess
     argv = [sys.executable, "-m", "eagle3d.drafter.evaluate", "-c", str(cfg.path)]
-    for flag in ("drafter", "source", "first", "limit", "steps", "max_new_tokens", "batch_size"):
+    for flag in ("drafter", "source", "prompts", "first", "limit", "steps", "topk",
+                 "num_draft_tokens", "max_new_tokens", "batch_size"):
         value = getattr(args, flag)
         if value is not None:
             argv += [f"--{flag.replace('_', '-')}", str(value)]
-    if args.json:
-        argv.append("--json")
+    argv += [f"--{flag.replace('_', '-')}" for flag in ("every_turn", "json")
+             if getattr(args, flag)]
     return subprocess.call(argv)
 
 
@@ -388,10 +389,18 @@ def _events_args(s: argparse.ArgumentParser) -> None:
 
 def _eval_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--drafter", help="export folder (default <train_dir>/export)")
-    s.add_argument("--source")
+    where = s.add_mutually_exclusive_group()
+    where.add_argument("--source", help="conversations (default [eval] source)")
+    where.add_argument("--prompts", help="a file of prompts: MT-bench questions, OpenAI-style "
+                                         "messages or ShareGPT (detected)")
+    s.add_argument("--every-turn", action="store_true",
+                   help="every user turn, after the target's own earlier answers")
     s.add_argument("--first", type=int)
     s.add_argument("--limit", type=int)
-    s.add_argument("--steps", type=int)
+    s.add_argument("--steps", type=int, help="SGLang's --speculative-num-steps")
+    s.add_argument("--topk", type=int, help="SGLang's --speculative-eagle-topk (1: a chain)")
+    s.add_argument("--num-draft-tokens", type=int,
+                   help="SGLang's --speculative-num-draft-tokens (a tree's size)")
     s.add_argument("--max-new-tokens", dest="max_new_tokens", type=int)
     s.add_argument("--batch-size", dest="batch_size", type=int)
     s.add_argument("--json", action="store_true")

@@ -29,7 +29,9 @@ class Conversation:
     problem: str | None = None       # why it is unusable
 
 
-def _normalize(record: object) -> tuple[tuple[dict, ...] | None, str | None]:
+def turns_of(record: object) -> tuple[tuple[dict, ...] | None, str | None]:
+    """A record's turns as role/content dicts (ShareGPT's from/value or OpenAI's role/content),
+    or why it has none usable. Answers are not required: a file of prompts has none."""
     if not isinstance(record, dict):
         return None, "not a JSON object"
     turns = record.get("conversations", record.get("messages"))
@@ -48,12 +50,19 @@ def _normalize(record: object) -> tuple[tuple[dict, ...] | None, str | None]:
         messages.append({"role": role, "content": content})
     if not any(m["content"].strip() for m in messages):
         return None, "empty"
+    return tuple(messages), None
+
+
+def _normalize(record: object) -> tuple[tuple[dict, ...] | None, str | None]:
+    messages, problem = turns_of(record)
+    if messages is None:
+        return None, problem
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         return None, "no assistant turn"
     return tuple(messages), None
 
 
-def _json_array(path: Path) -> Iterator[object]:
+def json_array(path: Path) -> Iterator[object]:
     """Records of a top-level JSON array, streamed. Stops with a warning at a damaged tail."""
     decoder = json.JSONDecoder()
     # An incremental decoder: a chunk boundary may split a multi-byte character.
@@ -106,19 +115,28 @@ def _json_array(path: Path) -> Iterator[object]:
             pos = end
 
 
-def _jsonl(path: Path) -> Iterator[object]:
+def jsonl_lines(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, record) of each non-blank line; a line that is not JSON gives a `Broken`
+    record that says so."""
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
             try:
-                yield json.loads(line)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                yield _Broken(f"line {lineno} is not valid JSON: {exc}")
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as exc:  # its own "line 1" would be the record's
+                yield lineno, Broken(f"line {lineno} is not valid JSON: {exc.msg} at column "
+                                     f"{exc.colno}")
+            except UnicodeDecodeError as exc:
+                yield lineno, Broken(f"line {lineno} is not valid JSON: {exc}")
+
+
+def _jsonl(path: Path) -> Iterator[object]:
+    return (record for _, record in jsonl_lines(path))
 
 
 @dataclass(frozen=True)
-class _Broken:
+class Broken:
     problem: str
 
 
@@ -133,14 +151,14 @@ def iter_conversations(path: str | Path, fmt: str = "auto", first: int = 0,
     """Conversations with source index in [first, first + limit), usable or with a problem."""
     path = Path(path)
     fmt = detect_format(path) if fmt == "auto" else fmt
-    records = _json_array(path) if fmt == "sharegpt" else _jsonl(path)
+    records = json_array(path) if fmt == "sharegpt" else _jsonl(path)
     end = None if limit is None else first + limit
     for idx, record in enumerate(records):
         if idx < first:
             continue
         if end is not None and idx >= end:
             return
-        if isinstance(record, _Broken):
+        if isinstance(record, Broken):
             yield Conversation(idx, None, record.problem)
             continue
         messages, problem = _normalize(record)

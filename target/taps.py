@@ -1,4 +1,6 @@
-"""Hooks that take EAGLE-3's hidden states out of a Hugging Face decoder during one forward.
+"""The layer taps: hooks that take EAGLE-3's hidden states out of a Hugging Face decoder during a
+forward. The one implementation that both capture (the transformers worker's dumps) and evaluation
+(the features the drafter reads while decoding) use, so the two cannot number layers apart.
 
 Layer id i (the capture contract's convention) is the hidden state *entering* decoder layer i,
 which is HF's `hidden_states[i]`: a forward pre-hook on `layers[i]` sees exactly that tensor. The
