@@ -49,6 +49,9 @@ class PipelineStage(Protocol):
 class Pipeline(NamedTuple):
     stages: tuple[PipelineStage, ...]
     verified_fingerprint: Callable[[], str]
+    # Why the config in force does not fit the dataset (its contract or its data slice), or None:
+    # a reload is judged against the dataset itself while the daemon is blocked on such a config.
+    conflict: Callable[[], str | None]
 
 
 def build(cfg: Config, ledger: Ledger, pid_dir: Path, engine_factory: EngineFactory,
@@ -61,6 +64,6 @@ def build(cfg: Config, ledger: Ledger, pid_dir: Path, engine_factory: EngineFact
     extract.lend_engine_to(verify)
     train = TrainStage(cfg, ledger, pid_dir, verify.verified_fingerprint)
     extract.gpus_taken = train.holds_gpus
-    stages = (PlanStage(cfg, ledger, pid_dir), GenerateStage(cfg, ledger, pid_dir), extract,
-              verify, train)
-    return Pipeline(stages, verify.verified_fingerprint)
+    plan = PlanStage(cfg, ledger, pid_dir)
+    stages = (plan, GenerateStage(cfg, ledger, pid_dir), extract, verify, train)
+    return Pipeline(stages, verify.verified_fingerprint, plan.conflict)

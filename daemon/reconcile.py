@@ -77,7 +77,7 @@ class Daemon:
         self.config_problem: str | None = None
         self.decision: Decision | None = None
         self.stage_since = time.time()
-        self.stages, self.verified_fingerprint = pipeline.build(
+        self.stages, self.verified_fingerprint, self.conflict = pipeline.build(
             cfg, self.ledger, pid_dir, engine_factory, heartbeat=self.publish)
         self._last_state = 0.0
         self._last_ping = 0.0
@@ -196,7 +196,7 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = load_config(self.cfg.path)
-            problem = reload_problem(self.cfg, new, self.plan.conflict() is None)
+            problem = reload_problem(self.cfg, new, self.conflict() is None)
         except ConfigError as exc:
             problem = f"the new config does not validate: {exc}"
         if problem:

@@ -122,7 +122,7 @@ def test_a_wider_drafter_starts_over_and_exports_its_width(tmp_path, data_root):
                                               "intermediate_size": 2048})
     run = subprocess.run(train_cmd(wide), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "holds a drafter of another shape" in run.stderr
+    assert "for a drafter of another shape" in run.stderr
     assert [r["step"] for r in metrics(tmp_path / "train")] == [1, 2]
     exported = json.loads((tmp_path / "train" / "export" / "config.json").read_text())
     assert exported["intermediate_size"] == 2048

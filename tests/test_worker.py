@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from eagle3d.dataset import contract, dumpformat
 from eagle3d.daemon.verify import Expected, check_file, compare_dumps
-from eagle3d.drafter.data import Planned, read_batch
+from eagle3d.drafter import reader
+from eagle3d.drafter.data import Planned
 from eagle3d.target import loading
 from eagle3d.capture.worker import Capturer, Job, _Pending, sub_batches
 from eagle3d.statemachine.config import resolve_location
@@ -168,7 +169,8 @@ def test_fp8_dumps_round_trip_within_e4m3_rounding(model, tmp_path):
             "dtype F8_E4M3, the contract says bfloat16"
 
     batch = Planned(tuple(range(len(jobs))))
-    want, got = (read_batch(paths, batch).to(torch.device("cpu")) for paths in (exact, fp8))
+    want, got = (next(iter(reader.batches(paths, [batch], torch.device("cpu"))))
+                 for paths in (exact, fp8))
     assert got.aux.dtype == torch.bfloat16 and torch.equal(got.input_ids, want.input_ids)
     assert torch.equal(got.targets, want.targets) and got.tokens == want.tokens
     for name in ("aux", "last"):
