@@ -226,6 +226,9 @@ class Daemon:
         self._last_state = now
         state = snapshot(self, final)
         write_state(self.cfg.paths.state_dir, state)
+        if self.cfg.shard.count > 1:  # for the training node, which never opens this ledger
+            write_state(self.cfg.paths.state_dir, state,
+                        layout.published_state(self.cfg.paths.dataset_dir))
         s = state["samples"]
         self.notifier.status(f"{state['stage']}: {s['verified'] + s['extracted']}/{s['total']} "
                              f"samples, {state['tokens']['done']}/{state['tokens']['total']} "
