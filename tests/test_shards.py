@@ -154,3 +154,18 @@ def test_a_shard_of_another_model_is_refused_by_name(tmp_path):
     assert joined.manifest is None and len(joined.refused) == 1
     assert joined.refused[0].startswith("shard-1-of-2: captured under another contract")
     assert "target: 'm' -> 'other-model'" in joined.refused[0]
+
+
+def test_status_on_the_training_node_shows_every_shard_from_what_it_published(tmp_path):
+    from tests.pipeline import ctl
+    config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
+    publish(tmp_path / "dataset", 1, 3)
+    publish(tmp_path / "dataset", 2, 3, stage="extract")
+    text = ctl(config, "status").stdout
+    assert "shard     shard-0-of-3: not started" in text
+    assert "shard     shard-1-of-3: done · 3/3 verified" in text and "manifest published" in text
+    assert "shard-2-of-3: extract · 3/4 verified" in text and "heartbeat 7 s ago" in text
+    view = json.loads(ctl(config, "status", "--json").stdout)["shards"]
+    assert [(s["name"], s["stage"], s["manifest"]) for s in view] == [
+        ("shard-0-of-3", "not started", False), ("shard-1-of-3", "done", True),
+        ("shard-2-of-3", "extract", False)]
