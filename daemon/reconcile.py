@@ -131,7 +131,7 @@ class Daemon:
         if n:
             log.info("returned %d in-flight samples to pending", n)
         for name in remove_dead_temps(self.cfg.paths.state_dir) + remove_dead_temps(
-                self.cfg.paths.train_dir):
+                self.cfg.paths.train_dir) + remove_dead_temps(self.cfg.paths.dataset_dir):
             log.info("removed %s: its writer is gone", name)
         removed = remove_dataset_debris(self.cfg.paths.dataset_dir, self.ledger)
         if removed:
