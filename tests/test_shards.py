@@ -169,3 +169,28 @@ def test_status_on_the_training_node_shows_every_shard_from_what_it_published(tm
     assert [(s["name"], s["stage"], s["manifest"]) for s in view] == [
         ("shard-0-of-3", "not started", False), ("shard-1-of-3", "done", True),
         ("shard-2-of-3", "extract", False)]
+
+
+def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_path):
+    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.dataset import contract
+    from eagle3d.statemachine.ledger import Counts
+    from eagle3d.statemachine.stages import Seen
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
+    root = tmp_path / "dataset"
+    publish(root, 0, 3)
+    contract.write(cfg.paths.dataset_dir, {**CONTRACT, "shard": {"index": 0, "count": 3}})
+    publish(root, 1, 3)
+    publish(root, 2, 3, stage="verify")
+    gate = ShardGate(cfg)
+    seen = Seen(Counts({"verified": 3}, {}, {}), "fp")
+    assert gate.observe(seen) == {"shards_waiting": "waiting for shards to publish a verified "
+                                  "manifest: shard-2-of-3: verify, 3/4 verified, heartbeat 7 s ago"}
+    assert gate.fingerprint() == ""
+    publish(root, 2, 3, target="another/model")
+    blocked = gate.observe(seen)["blocked"]
+    assert blocked.startswith("refused shards: shard-2-of-3: captured under another contract")
+    publish(root, 2, 3)  # the shard redone under the right contract joins
+    assert gate.observe(seen) == {} and gate.fingerprint()
+    one = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 1}}, "one.toml"))
+    assert "trains_elsewhere" in ShardGate(one).observe(seen)
