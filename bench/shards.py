@@ -7,7 +7,7 @@ runs `eagle3d run --until verify` (its extraction done); judged, printed last:
 
     ratio = the three shards' wall time (the last to finish) / the single daemon's   (goal <= 0.4)
 
-    .venv/bin/python bench/shards.py [--limit 240] [--cores 4] [--dir /var/tmp]
+    .venv/bin/python bench/shards.py [--limit 2000] [--cores 4] [--dir /var/tmp]
 """
 
 from __future__ import annotations
@@ -52,9 +52,28 @@ def start(path: Path, cores: range, threads: int, log: Path) -> subprocess.Popen
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
+def wait_all(runs: dict[str, subprocess.Popen], root: Path) -> dict[str, float]:
+    """Each daemon's wall time to its exit; SystemExit with its log where one fails."""
+    t0 = time.perf_counter()
+    walls: dict[str, float] = {}
+    while len(walls) < len(runs):
+        for name, proc in runs.items():
+            if name not in walls and proc.poll() is not None:
+                walls[name] = time.perf_counter() - t0
+                if proc.returncode:
+                    log = root / f"{name.replace(' ', '')}.log"
+                    raise SystemExit(f"{name} failed ({proc.returncode}):\n"
+                                     f"{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    return walls
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--limit", type=int, default=240, help="conversations in the slice")
+    ap.add_argument("--limit", type=int, default=2000,
+                    help="conversations in the slice (default 2000: minutes of extraction, so "
+                         "that each daemon's fixed start, a model load and the plan, weighs "
+                         "little)")
     ap.add_argument("--cores", type=int, default=4, help="cores per daemon (default 4)")
     ap.add_argument("--dir", default="/var/tmp", help="disk folder for state and datasets")
     ap.add_argument("--spool-dir", default="/dev/shm", help="tmpfs folder for the spools")
@@ -72,17 +91,13 @@ def main(argv: list[str] | None = None) -> int:
             # One config per node, as an operator writes them: the same roots, shard = i.
             runs[f"shard {i}"] = start(config(root, "sharded", args.limit, spool, i),
                                        range((i + 1) * c, (i + 2) * c), c, root / f"shard{i}.log")
-        t0 = time.perf_counter()
-        walls: dict[str, float] = {}
-        while len(walls) < len(runs):
-            for name, proc in runs.items():
-                if name not in walls and proc.poll() is not None:
-                    walls[name] = time.perf_counter() - t0
-                    if proc.returncode:
-                        log = root / f"{name.replace(' ', '')}.log"
-                        raise SystemExit(f"{name} failed ({proc.returncode}):\n"
-                                         f"{log.read_text()[-3000:]}")
-            time.sleep(0.2)
+        try:
+            walls = wait_all(runs, root)
+        finally:
+            for proc in runs.values():  # one failed: the others stop before their folders go
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     for name, wall in walls.items():
         print(f"{name:<10} {wall:8.1f} s  (cores {_cores(name, c)})")
     sharded = max(walls[f"shard {i}"] for i in range(SHARDS))
