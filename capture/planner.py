@@ -36,7 +36,7 @@ import numpy as np
 from eagle3d.dataset import contract, dumpformat
 from eagle3d.target import identity, loading
 from eagle3d.dataset.conversations import Conversation, iter_conversations
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import layout, shards
 from eagle3d.statemachine.config import Config, ConfigError
 from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
@@ -115,6 +115,9 @@ def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, 
         "architecture": architecture(model_config),
         "engine": cfg.target.engine,
         **contract.generate_record(cfg),
+        # Not binding: every shard of one dataset has the same contract fingerprint.
+        **({"shard": {"index": cfg.shard.index, "count": cfg.shard.count}}
+           if cfg.shard.count > 1 else {}),
     }
 
 
@@ -134,6 +137,16 @@ def ensure_contract(dataset_dir: Path, wanted: dict[str, Any]) -> dict[str, Any]
 
 
 # ---- one conversation -------------------------------------------------------------------------
+
+def owned(conv: Conversation, shard: shards.Shard) -> bool:
+    """Whether this shard plans the conversation: by its content id, or by its index where it
+    has no messages (an unusable record, skipped by whichever shard owns it)."""
+    if shard.count == 1:
+        return True
+    key = sample_id(conv.messages) if conv.messages is not None else \
+        _hash(str(conv.idx))
+    return shards.owner(key, shard.count) == shard.index
+
 
 def sample_id(messages: Sequence[dict]) -> str:
     raw = json.dumps(list(messages), sort_keys=True, ensure_ascii=False).encode()
@@ -338,9 +351,11 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
         batch.clear()
 
     for conv in iter_conversations(data.source_path, data.format, start, end - start):
+        through = conv.idx
+        if not owned(conv, cfg.shard):
+            continue
         batch.append(conv)
         read += 1
-        through = conv.idx
         if len(batch) >= BATCH:
             flush()
         now = time.monotonic()

@@ -110,6 +110,9 @@ def collect_status(cfg: Config) -> dict[str, Any]:
                  and _pid_alive(int(d["pid"])))
     out["daemon"] = {"pid": d.get("pid"), "alive": alive,
                      "heartbeat_age_s": None if age is None else round(age, 2)}
+    if cfg.shard.count > 1:
+        from eagle3d.daemon import shard_view  # only a sharded dataset has shards to show
+        out["shards"] = shard_view.collect(cfg)
     return out
 
 
@@ -209,6 +212,9 @@ def render_status(st: dict[str, Any]) -> str:
         if trainer.get("blocked"):
             parts.append(trainer["blocked"])
         lines.append("trainer   " + " · ".join(parts))
+    if st.get("shards"):
+        from eagle3d.daemon import shard_view
+        lines += shard_view.render(st["shards"])
     g = st.get("gate", {})
     if g:
         lines.append(f"gate      {g.get('describe', '?')}")

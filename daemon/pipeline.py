@@ -14,6 +14,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 from eagle3d.daemon.extract_stage import EngineFactory, ExtractStage
 from eagle3d.daemon.generate_stage import GenerateStage
 from eagle3d.daemon.plan_stage import PlanStage
+from eagle3d.daemon.shard_gate import ShardGate
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.daemon.verify_stage import VerifyStage
 from eagle3d.statemachine.config import Config
@@ -62,8 +63,12 @@ def build(cfg: Config, ledger: Ledger, pid_dir: Path, engine_factory: EngineFact
     extract = ExtractStage(cfg, ledger, pid_dir, engine_factory, heartbeat)
     verify = VerifyStage(cfg, ledger, lambda: extract.ready_engine)
     extract.lend_engine_to(verify)
-    train = TrainStage(cfg, ledger, pid_dir, verify.verified_fingerprint)
+    # Sharded, training is tied to every shard's samples, not this node's alone.
+    gate = ShardGate(cfg) if cfg.shard.count > 1 else None
+    train = TrainStage(cfg, ledger, pid_dir,
+                       gate.fingerprint if gate else verify.verified_fingerprint)
     extract.gpus_taken = train.holds_gpus
     plan = PlanStage(cfg, ledger, pid_dir)
-    stages = (plan, GenerateStage(cfg, ledger, pid_dir), extract, verify, train)
+    stages = (plan, GenerateStage(cfg, ledger, pid_dir), extract, verify,
+              *((gate,) if gate else ()), train)
     return Pipeline(stages, verify.verified_fingerprint, plan.conflict)

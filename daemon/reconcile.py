@@ -131,7 +131,7 @@ class Daemon:
         if n:
             log.info("returned %d in-flight samples to pending", n)
         for name in remove_dead_temps(self.cfg.paths.state_dir) + remove_dead_temps(
-                self.cfg.paths.train_dir):
+                self.cfg.paths.train_dir) + remove_dead_temps(self.cfg.paths.dataset_dir):
             log.info("removed %s: its writer is gone", name)
         removed = remove_dataset_debris(self.cfg.paths.dataset_dir, self.ledger)
         if removed:
@@ -226,6 +226,9 @@ class Daemon:
         self._last_state = now
         state = snapshot(self, final)
         write_state(self.cfg.paths.state_dir, state)
+        if self.cfg.shard.count > 1:  # for the training node, which never opens this ledger
+            write_state(self.cfg.paths.state_dir, state,
+                        layout.published_state(self.cfg.paths.dataset_dir))
         s = state["samples"]
         self.notifier.status(f"{state['stage']}: {s['verified'] + s['extracted']}/{s['total']} "
                              f"samples, {state['tokens']['done']}/{state['tokens']['total']} "

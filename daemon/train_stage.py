@@ -76,7 +76,8 @@ class TrainStage:
         return self.supervisor.fatal
 
     def observe(self, seen: Seen) -> dict[str, Any]:
-        return {"train_done": train_files.done_for(self.dir, seen.fingerprint),
+        return {"train_done": train_files.done_for(self.dir, seen.fingerprint and
+                                                   self.fingerprint()),
                 "train_failed": self.failure}
 
     def step(self, decision: Decision) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eagle3d.dataset import contract as contract_mod, dumpformat
+from eagle3d.dataset import contract as contract_mod, dumpformat, shards
 from eagle3d.target import identity
 from eagle3d.target.loading import cpu_computes_bf16, pick_device
 from eagle3d.target.loading import load_config as load_target_config
@@ -101,7 +101,7 @@ def checked_manifest(cfg: Config) -> dict[str, Any]:
         raise Refusal(f"refusing to train: {exc}") from None
     if not manifest["samples"]:
         raise Refusal("refusing to train: the manifest lists no samples")
-    return manifest
+    return shards.trained_union(cfg, manifest) if cfg.shard.count > 1 else manifest
 
 
 def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
@@ -110,7 +110,7 @@ def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
     dataset files (the node's ranks together read every file's header)."""
     identity.check(manifest["contract"], cfg.target.model_path, cfg.target.model)
     share = slice(rt.local_rank, None, rt.local_world)
-    paths = data.sample_paths(manifest, cfg.paths.dataset_dir)[share]
+    paths = data.sample_paths(manifest, shards.samples_root(cfg))[share]
     for sample, path in zip(manifest["samples"][share], paths):
         try:
             header = dumpformat.read_header(path)
@@ -262,7 +262,7 @@ class Run:
         self.fingerprint: str = manifest["fingerprint"]
         self.contract: dict[str, Any] = manifest["contract"]
         self.dir = cfg.paths.train_dir
-        self.paths = data.sample_paths(manifest, cfg.paths.dataset_dir)
+        self.paths = data.sample_paths(manifest, shards.samples_root(cfg))
         self.lengths = [s["tokens"] for s in manifest["samples"]]
         self.progress = train_files.ProgressWriter(self.dir, self.fingerprint) if rt.main else None
         self.step = self.epoch = self.pos = 0

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import layout, shards
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
 if sys.version_info >= (3, 11):
@@ -101,6 +101,9 @@ class DataConfig(NamedTuple):
     max_tokens: int = 2048
     responses: str = "dataset"  # "target": the target writes every assistant turn itself
     planner_max_restarts: int = 2
+    shards: int = 1  # extraction over this many nodes (statemachine/shards.py)
+    shard: int = 0  # this node's share, or from the environment variable named below
+    shard_from_env: str = ""  # e.g. "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"
     source_path: Path = Path()
 
 
@@ -203,6 +206,10 @@ class Config(NamedTuple):
     eval: EvalConfig = EvalConfig()
     sglang: SGLangConfig = SGLangConfig()
 
+    @property
+    def shard(self) -> shards.Shard:
+        return shards.Shard(self.data.shard, self.data.shards)
+
     def contract_keys(self) -> dict[str, Any]:
         """What a dataset is bound to: change one of these and the old dumps no longer fit."""
         keys = {"model": self.target.model, "dtype": self.target.dtype,
@@ -241,6 +248,10 @@ def to_toml(cfg: Config) -> str:
         values = getattr(cfg, section)._asdict()
         doc[section] = {k: _plain(v) for k, v in values.items() if k not in _DERIVED}
     doc["target"]["aux_layers"] = list(cfg.target.aux_layers or ()) or "default"
+    if cfg.data.shards > 1:  # the configured roots and the index in force, wherever it came from
+        doc["data"]["shard_from_env"] = ""
+        doc["paths"].update({k: str(shards.root_of(getattr(cfg.paths, k)))
+                             for k in shards.SHARDED_PATHS})
     return ("# The config in force, written by the eagle3d daemon: every child starts from this\n"
             f"# file. Edit {cfg.path} instead, then reload (systemctl reload eagle3d).\n"
             + tomli_w.dumps(doc))
@@ -415,6 +426,34 @@ def _check_nodes(chk: _Checker, train: TrainConfig) -> None:
                        "[train] nnodes = 1 the node trains alone: remove it")
 
 
+def _shard(chk: _Checker, data: DataConfig, paths: PathsConfig,
+           shard_written: bool) -> tuple[DataConfig, PathsConfig]:
+    """This node's shard index (written, or from the environment variable the config names),
+    and its own state, spool and dataset folders under the configured ones."""
+    if data.shard_from_env:
+        if shard_written:
+            raise chk.fail("data.shard_from_env", "and [data] shard both name the shard index: "
+                           "keep one")
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", data.shard_from_env):
+            raise chk.fail("data.shard_from_env", f"{data.shard_from_env!r} is not an "
+                           "environment variable's name")
+        try:
+            data = data._replace(shard=shards.index_from_env(data.shard_from_env, data.shards))
+        except ValueError as exc:
+            raise chk.fail("data.shard_from_env", str(exc)) from None
+    if data.shard >= data.shards:
+        raise chk.fail("data.shard", f"must be below [data] shards ({data.shards}), "
+                       f"got {data.shard}")
+    if data.shards > 1 and not (shard_written or data.shard_from_env):
+        raise chk.fail("data.shard", f"is required with [data] shards = {data.shards}: this "
+                       "node's index, or shard_from_env naming the variable that holds it")
+    if data.shards == 1:
+        return data, paths
+    shard = shards.Shard(data.shard, data.shards)
+    return data, paths._replace(**{k: shards.shard_folder(getattr(paths, k), shard)
+                                   for k in shards.SHARDED_PATHS})
+
+
 def _check_stop_graces(chk: _Checker, extract: ExtractConfig, train: TrainConfig) -> None:
     """A stop drains the engine and stops it (one grace each), then stops the trainer: all of it
     must fit the daemon's stop budget, or some child is killed before its grace is over."""
@@ -468,7 +507,9 @@ def parse_config(raw: dict, path: Path) -> Config:
     data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
         "source": _STR, "format": _typed(str, choices=FORMATS), "first": _NONNEG_INT,
         "limit": _POS_INT, "max_tokens": _typed(int, minimum=8),
-        "responses": _typed(str, choices=RESPONSES), "planner_max_restarts": _NONNEG_INT})
+        "responses": _typed(str, choices=RESPONSES), "planner_max_restarts": _NONNEG_INT,
+        "shards": _typed(int, minimum=1, maximum=4096), "shard": _NONNEG_INT,
+        "shard_from_env": _typed(str)})
     source_path = _existing(chk, "data.source", data.source, base)
     data = data._replace(source=_spelled(data.source, source_path), source_path=source_path)
 
@@ -476,6 +517,8 @@ def parse_config(raw: dict, path: Path) -> Config:
     paths = chk.build(PathsConfig, "paths", paths_raw, {
         k: (lambda v, k=k: _dir(chk, f"paths.{k}", v, base))
         for k in ("state_dir", "spool_dir", "dataset_dir", "train_dir")})
+
+    data, paths = _shard(chk, data, paths, "shard" in chk.section(raw, "data", True))
 
     budget = chk.build(BudgetConfig, "budget", chk.section(raw, "budget"),
                        {"reserve": _size, "spool_max": _size})

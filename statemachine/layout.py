@@ -64,6 +64,12 @@ def manifest_file(dataset_dir: Path) -> Path:
     return Path(dataset_dir) / "manifest.json"
 
 
+def published_state(dataset_dir: Path) -> Path:
+    """A shard's state file, copied where the training node reads it (statemachine/statefile.py,
+    statemachine/shards.py)."""
+    return Path(dataset_dir) / "state.toml"
+
+
 # ---- the train folder ---------------------------------------------------------------------------
 
 

@@ -53,6 +53,16 @@ def read(dataset_dir: Path) -> dict[str, Any] | None:
         return None  # damaged: verify writes it again
 
 
+def intact(manifest: dict[str, Any]) -> bool:
+    """Whether a manifest read from another node's folder lists the samples its fingerprint
+    sums (the training node cannot ask that node's ledger)."""
+    try:
+        rows = [(s["id"], s["checksum"]) for s in manifest["samples"]]
+    except (KeyError, TypeError):
+        return False
+    return manifest.get("fingerprint") == fingerprint(rows)
+
+
 def check(manifest: dict[str, Any] | None, ledger: Ledger) -> None:
     """Raise unless the manifest names exactly the ledger's verified samples."""
     if manifest is None:

@@ -65,6 +65,8 @@ class Facts(NamedTuple):
     train_done: bool = False           # the export + evaluation match the manifest
     train_failed: str | None = None    # the trainer gave up (restarts used up)
     spot_check_failed: str | None = None
+    shards_waiting: str | None = None    # the training node: shards that have not published
+    trains_elsewhere: str | None = None  # a shard that is not the training node
 
 
 class Decision(NamedTuple):
@@ -97,6 +99,10 @@ def _work_stage(f: Facts) -> tuple[Stage, str]:
         return Stage.FAILED, f"spot check failed, the capture itself is wrong: {f.spot_check_failed}"
     if not f.verify_complete:
         return Stage.VERIFY, "writing the dataset manifest"
+    if f.trains_elsewhere:
+        return Stage.DONE, f.trains_elsewhere
+    if f.shards_waiting:
+        return Stage.VERIFY, f.shards_waiting
     if f.train_done:
         return Stage.DONE, "drafter trained, exported and evaluated"
     if f.train_failed:

@@ -35,15 +35,18 @@ def _clean(value: Any) -> Any:
 _END = "end"
 
 
-def write_state(state_dir: Path, state: dict[str, Any]) -> None:
+def write_state(state_dir: Path, state: dict[str, Any], path: Path | None = None) -> None:
+    """`path`: another copy than the state folder's (a shard's published state)."""
     import tomli_w  # here, not at the top: eagle3ctl only reads, and must start in a blink
     doc = {**_clean(state), _END: {"whole": True}}
-    atomic_write_bytes(layout.state_file(state_dir), tomli_w.dumps(doc).encode())
+    atomic_write_bytes(path or layout.state_file(state_dir), tomli_w.dumps(doc).encode())
 
 
-def read_state(state_dir: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(state, problem): a missing or damaged file is reported, never raised."""
-    path = layout.state_file(state_dir)
+def read_state(state_dir: Path, path: Path | None = None
+               ) -> tuple[dict[str, Any] | None, str | None]:
+    """(state, problem): a missing or damaged file is reported, never raised. `path`: another
+    copy than the state folder's."""
+    path = path or layout.state_file(state_dir)
     try:
         state = tomllib.loads(path.read_bytes().decode("utf-8"))
         if "stage" not in state or _END not in state:

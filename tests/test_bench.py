@@ -107,3 +107,9 @@ def test_curves_draws_runs_side_by_side_and_prints_each_runs_figures(tmp_path):
                      "0.400, held out 0.350 (teacher-forced); acceptance length 1.700",
                      "long: 200 steps, first-draft training accuracy over the last 50 steps 0.200"]
     assert png.stat().st_size > 10_000
+
+
+def test_shard_status_bench_times_the_training_nodes_status(tmp_path):
+    lines = run_bench("shard_status.py", "--quick", "--dir", str(tmp_path))
+    assert ratio(lines[-1], "eagle3ctl status over 3 shards x 2,000 samples") > 0
+    assert not list(tmp_path.iterdir())

@@ -33,6 +33,14 @@ CASES = [
      Stage.FAILED, Stage.FAILED, "spot check failed"),
     ("no manifest yet", counts(verified=4), dict(plan_complete=True), Stage.VERIFY, Stage.VERIFY,
      "manifest"),
+    ("a shard published", counts(verified=4), dict(DONE_VERIFYING, trains_elsewhere="shard-1-of-3 "
+     "is verified and published"), Stage.DONE, Stage.DONE, "published"),
+    ("the training node waits for shards", counts(verified=4), dict(
+        DONE_VERIFYING, shards_waiting="waiting for shards: shard-2-of-3: extract"),
+     Stage.VERIFY, Stage.VERIFY, "shard-2-of-3: extract"),
+    ("a shard refused", counts(verified=4), dict(DONE_VERIFYING, shards_waiting="waiting",
+     blocked="refused shards: shard-1-of-3: captured under another contract"), Stage.FAILED,
+     Stage.VERIFY, "shard-1-of-3: captured under another contract"),
     ("trained", counts(verified=4), dict(DONE_VERIFYING, train_done=True), Stage.DONE,
      Stage.DONE, "evaluated"),
     ("training failed", counts(verified=4), dict(DONE_VERIFYING, train_failed="restarts"),

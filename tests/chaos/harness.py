@@ -249,6 +249,8 @@ def audit(config: Path, planned: int, trained: bool) -> int:
             problems.append(f"dataset file of {sid} does not verify: {problem}")
     expected = set(paths) | {layout.manifest_file(cfg.paths.dataset_dir).name,
                               layout.contract_file(cfg.paths.dataset_dir).name}
+    if cfg.shard.count > 1:  # a shard publishes its state file beside its manifest
+        expected.add(layout.published_state(cfg.paths.dataset_dir).name)
     on_disk = {str(p.relative_to(cfg.paths.dataset_dir)) for p in cfg.paths.dataset_dir.rglob("*")
                if not p.is_dir()}
     if on_disk - expected:

@@ -1,0 +1,196 @@
+"""Shards ([data] shards, shard, shard_from_env): the index from the config or the scheduler's
+environment variable, each shard's own folders, a split of the plan that is disjoint, covers one
+daemon's plan exactly and holds under a raised limit, and the training node's join over what the
+shards published: it waits naming the shard and its progress, and refuses another contract."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3d.capture import planner
+from eagle3d.dataset.shards import ShardSet
+from eagle3d.statemachine import layout, manifest, shards
+from eagle3d.statemachine.config import ConfigError, load_config, write_in_force
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.statefile import write_state
+from eagle3d.target import loading
+from tests.conftest import make_config, write_conversations
+
+
+# ---- the config -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("data, env, message", [
+    ({"shards": 3}, {}, "[data.shard] is required with [data] shards = 3"),
+    ({"shards": 3, "shard": 3}, {}, "[data.shard] must be below [data] shards (3), got 3"),
+    ({"shards": 0}, {}, "[data.shards] must be at least 1"),
+    ({"shards": 3, "shard_from_env": "SLURM_ARRAY_TASK_ID"}, {},
+     "[data.shard_from_env] the environment variable SLURM_ARRAY_TASK_ID is not set"),
+    ({"shards": 3, "shard_from_env": "SLURM_ARRAY_TASK_ID"}, {"SLURM_ARRAY_TASK_ID": "3"},
+     "allows 0 to 2 (a SLURM array must be --array=0-2)"),
+    ({"shards": 3, "shard_from_env": "JOB_COMPLETION_INDEX"}, {"JOB_COMPLETION_INDEX": "x"},
+     "JOB_COMPLETION_INDEX is 'x', not a shard index"),
+    ({"shards": 3, "shard": 1, "shard_from_env": "JOB_COMPLETION_INDEX"}, {},
+     "[data.shard_from_env] and [data] shard both name the shard index"),
+    ({"shards": 3, "shard_from_env": "not a name"}, {}, "is not an environment variable's name"),
+])
+def test_bad_shard_settings_name_the_key(tmp_path, monkeypatch, data, env, message):
+    for name in ("SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError) as err:
+        load_config(make_config(tmp_path, {"data": data}))
+    assert message in str(err.value) and str(tmp_path / "eagle3d.toml") in str(err.value)
+
+
+@pytest.mark.parametrize("variable", ["SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"])
+def test_the_index_comes_from_the_schedulers_variable(tmp_path, monkeypatch, variable):
+    monkeypatch.setenv(variable, "2")
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard_from_env": variable}}))
+    assert cfg.shard == shards.Shard(2, 3) and not cfg.shard.trains
+    for key in ("state_dir", "spool_dir", "dataset_dir"):
+        assert getattr(cfg.paths, key).name == "shard-2-of-3"
+    assert cfg.paths.train_dir == tmp_path / "train"
+    # The config in force (children read it) names the index in force, without the variable.
+    cfg.paths.state_dir.mkdir(parents=True)
+    write_in_force(cfg)
+    monkeypatch.delenv(variable)
+    again = load_config(layout.config_in_force(cfg.paths.state_dir))
+    assert again.paths == cfg.paths and again.shard == cfg.shard
+
+
+# ---- the split --------------------------------------------------------------------------------
+
+def _plan(tmp_path: Path, tokenizer, source: Path, name: str, limit: int, **data) -> dict:
+    root = tmp_path / name
+    root.mkdir()
+    cfg = load_config(make_config(root, {"data": {"source": str(source), "format": "messages",
+                                                  "limit": limit, **data}}))
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        planner.plan(cfg, ledger, tokenizer, 576)
+        samples = {s.id: (s.idx, s.tokens, s.loss_tokens) for s in ledger.iter_samples("pending")}
+        skipped = dict(ledger.db.execute("SELECT idx, reason FROM skipped").fetchall())
+    return {"samples": samples, "skipped": skipped}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    cfg = load_config(make_config(Path("/tmp")))
+    return loading.load_tokenizer(cfg.target.model_path)
+
+
+def test_shard_plans_are_disjoint_and_cover_one_daemons_plan(tmp_path, tokenizer):
+    source = write_conversations(tmp_path / "conv.jsonl", 70, words=6)
+    with open(source, "a") as f:  # a duplicate and an unusable record: each planned once
+        f.write(source.read_text().splitlines()[3] + "\n")
+        f.write(json.dumps({"messages": [{"role": "assistant", "content": "no user"}]}) + "\n")
+    one = _plan(tmp_path, tokenizer, source, "one", 72)
+    assert len(one["samples"]) > 60 and len(one["skipped"]) >= 1
+    for count in (2, 3, 5):
+        parts = [_plan(tmp_path, tokenizer, source, f"n{count}-{i}", 72, shards=count, shard=i)
+                 for i in range(count)]
+        ids = [set(p["samples"]) for p in parts]
+        assert sum(map(len, ids)) == len(set().union(*ids)), f"{count} shards overlap"
+        assert {k: v for p in parts for k, v in p["samples"].items()} == one["samples"]
+        assert {k: v for p in parts for k, v in p["skipped"].items()} == one["skipped"]
+        assert all(ids), f"a shard of {count} planned nothing"
+    # A raised limit only adds to each shard: what it planned before stays its own.
+    fewer = _plan(tmp_path, tokenizer, source, "fewer", 40, shards=3, shard=1)
+    more = _plan(tmp_path, tokenizer, source, "more", 72, shards=3, shard=1)
+    assert fewer["samples"].items() <= more["samples"].items()
+
+
+# ---- the join ---------------------------------------------------------------------------------
+
+CONTRACT = {"format": 1, "target": "m", "target_fingerprint": "f", "layer_ids": [2, 15, 27],
+            "dtype": "bfloat16", "hidden_size": 576, "num_layers": 30, "vocab_size": 49152}
+
+
+def publish(root: Path, index: int, count: int, stage: str = "done", n: int = 3,
+            **contract) -> list[str]:
+    """What a shard's daemon leaves in its folder: a manifest of n samples, its state file."""
+    folder = root / shards.folder_name(index, count)
+    folder.mkdir(parents=True, exist_ok=True)
+    samples = [{"id": f"{index:02d}{k:030d}", "path": f"000/{index}-{k}.safetensors",
+                "tokens": 10, "loss_tokens": 5, "checksum": f"c{index}{k}"} for k in range(n)]
+    doc = {"fingerprint": manifest.fingerprint((s["id"], s["checksum"]) for s in samples),
+           "contract": {**CONTRACT, "shard": {"index": index, "count": count}, **contract},
+           "samples": samples}
+    if stage == "done":
+        manifest.write(folder, doc)
+    write_state(folder, {"stage": stage, "underlying": stage, "samples": {"verified": n,
+                "total": n + (stage != "done")}, "daemon": {"heartbeat": time.time() - 7}},
+                layout.published_state(folder))
+    return [s["id"] for s in samples]
+
+
+def test_the_join_waits_for_a_shard_naming_it_then_reads_every_sample_once(tmp_path):
+    ids = publish(tmp_path, 0, 3) + publish(tmp_path, 1, 3)
+    publish(tmp_path, 2, 3, stage="extract")
+    shard_set = ShardSet(tmp_path, 3, CONTRACT)
+    waiting = shard_set.join(own="shard-0-of-3")
+    assert waiting.manifest is None and not waiting.refused
+    assert waiting.waiting == ["shard-2-of-3: extract, 3/4 verified, heartbeat 7 s ago"]
+    ids += publish(tmp_path, 2, 3)
+    joined = shard_set.join(own="shard-0-of-3")
+    assert [s["id"] for s in joined.manifest["samples"]] == ids
+    assert joined.manifest["samples"][3]["path"] == "shard-1-of-3/000/1-0.safetensors"
+    # A damaged manifest does not join: its fingerprint no longer sums its samples.
+    path = layout.manifest_file(tmp_path / "shard-1-of-3")
+    doc = json.loads(path.read_text())
+    doc["samples"].pop()
+    path.write_text(json.dumps(doc))
+    assert shard_set.join(own="shard-0-of-3").waiting[0].startswith("shard-1-of-3: done")
+
+
+def test_a_shard_of_another_model_is_refused_by_name(tmp_path):
+    publish(tmp_path, 0, 2)
+    publish(tmp_path, 1, 2, target="other-model", target_fingerprint="g")
+    joined = ShardSet(tmp_path, 2, CONTRACT).join(own="shard-0-of-2")
+    assert joined.manifest is None and len(joined.refused) == 1
+    assert joined.refused[0].startswith("shard-1-of-2: captured under another contract")
+    assert "target: 'm' -> 'other-model'" in joined.refused[0]
+
+
+def test_status_on_the_training_node_shows_every_shard_from_what_it_published(tmp_path):
+    from tests.pipeline import ctl
+    config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
+    publish(tmp_path / "dataset", 1, 3)
+    publish(tmp_path / "dataset", 2, 3, stage="extract")
+    text = ctl(config, "status").stdout
+    assert "shard     shard-0-of-3: not started" in text
+    assert "shard     shard-1-of-3: done · 3/3 verified" in text and "manifest published" in text
+    assert "shard-2-of-3: extract · 3/4 verified" in text and "heartbeat 7 s ago" in text
+    view = json.loads(ctl(config, "status", "--json").stdout)["shards"]
+    assert [(s["name"], s["stage"], s["manifest"]) for s in view] == [
+        ("shard-0-of-3", "not started", False), ("shard-1-of-3", "done", True),
+        ("shard-2-of-3", "extract", False)]
+
+
+def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_path):
+    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.dataset import contract
+    from eagle3d.statemachine.ledger import Counts
+    from eagle3d.statemachine.stages import Seen
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
+    root = tmp_path / "dataset"
+    publish(root, 0, 3)
+    contract.write(cfg.paths.dataset_dir, {**CONTRACT, "shard": {"index": 0, "count": 3}})
+    publish(root, 1, 3)
+    publish(root, 2, 3, stage="verify")
+    gate = ShardGate(cfg)
+    seen = Seen(Counts({"verified": 3}, {}, {}), "fp")
+    assert gate.observe(seen) == {"shards_waiting": "waiting for shards to publish a verified "
+                                  "manifest: shard-2-of-3: verify, 3/4 verified, heartbeat 7 s ago"}
+    assert gate.fingerprint() == ""
+    publish(root, 2, 3, target="another/model")
+    blocked = gate.observe(seen)["blocked"]
+    assert blocked.startswith("refused shards: shard-2-of-3: captured under another contract")
+    publish(root, 2, 3)  # the shard redone under the right contract joins
+    assert gate.observe(seen) == {} and gate.fingerprint()
+    one = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 1}}, "one.toml"))
+    assert "trains_elsewhere" in ShardGate(one).observe(seen)
