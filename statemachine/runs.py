@@ -19,11 +19,8 @@ starts a fresh run in a new folder (`<key>-2`, ...), never the deleted one's rem
 from __future__ import annotations
 
 import fcntl
-import hashlib
-import json
 import os
 import re
-import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -77,6 +74,8 @@ def slug(model: str) -> str:
 
 
 def run_key(contract_keys: dict[str, Any], weights: str) -> str:
+    import hashlib  # here: eagle3ctl status reads the registry, and never digests
+    import json
     binding = json.dumps({**contract_keys, "weights": weights}, sort_keys=True).encode()
     return f"{slug(str(contract_keys['model']))}-{hashlib.blake2b(binding, digest_size=4).hexdigest()}"
 
@@ -245,6 +244,7 @@ def forget(state_root: Path, name: str, reason: str) -> tuple[Run, int]:
                              "(edit [target] and systemctl reload eagle3d)")
         if run.forgotten:
             raise ValueError(f"{run.id} was forgotten already: {run.forgotten}")
+        import shutil
         freed = size(run)
         for folder in FOLDERS:
             for path in _entries(run, getattr(run, folder)):
