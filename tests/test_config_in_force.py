@@ -77,11 +77,14 @@ def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, t
     with DaemonProcess(config, "--until", "train") as d:
         st = d.status_until(lambda s: s["engine"].get("status") == "ready", 300, "the engine")
         assert st["samples"]["pending"] == 8
+        # A model edit alone switches runs: one in a file that does not validate is refused.
         edit_config(config, "target", model=str(edited))
+        edit_config(config, "extract", batch_tokens=-1)
         d.proc.send_signal(signal.SIGHUP)
         st = d.status_until(lambda s: "reload refused" in (s.get("config_problem") or ""), 60,
                             "the refusal")
-        assert "model" in st["config_problem"]
+        assert "does not validate" in st["config_problem"]
+        edit_config(config, "extract", batch_tokens=2048)  # valid again, never reloaded
         first_engine = st["engine"]["pid"]
         subprocess.run(["kill", "-9", str(first_engine)], check=True)
         st = d.status_until(lambda s: s["engine"].get("status") == "ready"

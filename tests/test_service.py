@@ -74,11 +74,13 @@ def test_sighup_adds_samples_and_refuses_an_invalid_edit(config_factory, tmp_pat
         edit_config(config, "target", dtype="bfloat16")
         edit_config(config, "extract", batch_tokens=-1)
         d.proc.send_signal(signal.SIGHUP)
-        st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refusal")
-        assert "does not validate" in st["config_problem"]
-        assert "[extract] batch_tokens" in st["config_problem"] and st["run"]["id"] == run
+        # The log, not status: eagle3ctl reads the operator's file, invalid until put back.
+        wait_for(lambda: "reload refused" in d.output(), 60, "the refusal")
+        assert "does not validate" in d.output() and "[extract.batch_tokens]" in d.output()
         edit_config(config, "target", dtype="float32")
         edit_config(config, "extract", batch_tokens=2048)
+        st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refusal")
+        assert "does not validate" in st["config_problem"] and st["run"]["id"] == run
         edit_config(config, "data", limit=14)
         d.proc.send_signal(signal.SIGHUP)
         assert d.wait(600) == 0, d.output()[-4000:]
