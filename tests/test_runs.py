@@ -9,7 +9,7 @@ import time
 import pytest
 
 from eagle3d.daemon import run_select
-from eagle3d.daemon.reconcile import prepare_dirs
+from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs
 from eagle3d.statemachine.config import load_config, load_in_force, write_in_force
 from eagle3d.statemachine.ledger import Ledger
@@ -96,3 +96,29 @@ def test_forget_refuses_the_current_run_and_a_forgotten_run_is_never_resumed(con
     with pytest.raises(ValueError, match="forgotten already"):
         runs.forget(a.paths.state_dir, first.id, "twice")
     assert time.time() - again.run.created < 60
+
+
+def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_factory):
+    """The dataset disk's budget counts what set-aside runs hold there: its reason names them
+    with their sizes, and once one is forgotten it is neither named nor on the disk."""
+    path = config_factory({"budget": {"reserve": "1000TiB"}})  # a budget hit from the start
+    a = load_config(path)
+    old = run_select.select(a).run
+    prepare_dirs(a)
+    (a.paths.dataset_dir / "shard-0000").mkdir()
+    (a.paths.dataset_dir / "shard-0000" / "x.safetensors").write_bytes(b"\0" * (3 << 20))
+    config_factory({"target": {"dtype": "bfloat16"}, "budget": {"reserve": "1000TiB"}})
+    daemon = Daemon(load_config(path))  # starts on the new contract: the old run set aside
+    try:
+        assert daemon.current.id != old.id and daemon.cfg.paths.dataset_dir.is_dir()
+        reason = daemon.observe().budget_pause
+        assert "the dataset file system has" in reason
+        assert f"runs set aside hold 3.0 MiB on it, reclaimable with eagle3ctl forget RUN " \
+               f"--reason TEXT: {old.id} (3.0 MiB)" in reason
+        assert ctl(path, "forget", old.id, "--reason", "done with it").returncode == 0
+        assert "set aside" not in daemon.observe().budget_pause
+        assert not (a.paths.dataset_dir / "shard-0000").exists()
+        with Ledger(layout.ledger(daemon.cfg.paths.state_dir), readonly=True) as ledger:
+            assert "done with it" in ledger.events_of(("run_forgotten",))[0][2]
+    finally:
+        daemon.ledger.close()
