@@ -4,13 +4,12 @@ per capture contract, read without the daemon; forgetting deletes a set-aside ru
 from __future__ import annotations
 
 import argparse
-import json
 import sqlite3
 import sys
 import time
 from typing import Any
 
-from eagle3d.statemachine import layout, runs, train_files
+from eagle3d.statemachine import layout, runs
 from eagle3d.statemachine.config import Config, ConfigError, human_bytes
 from eagle3d.statemachine.ledger import Ledger, LedgerError
 from eagle3d.statemachine.statefile import read_state
@@ -38,6 +37,7 @@ def describe(run: runs.Run, current: bool) -> dict[str, Any]:
                               "pending": counts.get("pending"), "failed": counts.get("failed")}
     except (LedgerError, sqlite3.Error):
         pass  # not planned yet, or busy: the run's other figures still stand
+    from eagle3d.statemachine import train_files  # runs only: status's run line needs none
     done = train_files.read_done(run.train_dir)
     if done:
         out["drafter"], out["acceptance_length"] = done.get("export"), done.get("acceptance_length")
@@ -62,6 +62,7 @@ def cmd_runs(cfg: Config, args: argparse.Namespace) -> int:
     reg = runs.read(cfg.paths.state_dir)
     rows = [describe(r, r.id == reg.current) for r in reg.runs.values()]
     if args.json:
+        import json
         print(json.dumps({"current": reg.current, "runs": rows}, indent=2))
     elif not rows:
         print(f"no runs yet under {cfg.paths.state_dir} (the daemon has not run with this config)")

@@ -56,6 +56,8 @@ def test_switch_targets_and_back_across_a_kill_9(config_factory, tmp_path):
         b = st["run"]["id"]
         assert st["run"]["switched"] == f"{a} set aside, {b} started"
         assert [r["id"] for r in st["run"]["set_aside"]] == [a]
+        shown = ctl(config, "status").stdout
+        assert f"run       {b} ({a} set aside, {b} started) · 1 set aside (" in shown
         d.proc.kill()  # kill -9, in the middle of B
         d.proc.wait()
     reg = runs.read(load_config(config).paths.state_dir)
