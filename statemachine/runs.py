@@ -77,7 +77,8 @@ def run_key(contract_keys: dict[str, Any], weights: str) -> str:
     import hashlib  # here: eagle3ctl status reads the registry, and never digests
     import json
     binding = json.dumps({**contract_keys, "weights": weights}, sort_keys=True).encode()
-    return f"{slug(str(contract_keys['model']))}-{hashlib.blake2b(binding, digest_size=4).hexdigest()}"
+    digest = hashlib.blake2b(binding, digest_size=4).hexdigest()
+    return f"{slug(str(contract_keys['model']))}-{digest}"
 
 
 # ---- the registry -------------------------------------------------------------------------------
@@ -143,8 +144,8 @@ def _new_run(cfg: Config, key: str, weights: str, taken: dict[str, Run], in_plac
     while rid in taken:
         n += 1
         rid = f"{key}-{n}"
-    folders = {k: getattr(cfg.paths, k) if in_place else layout.run_folder(getattr(cfg.paths, k), rid)
-               for k in FOLDERS}
+    roots = {k: getattr(cfg.paths, k) for k in FOLDERS}
+    folders = {k: root if in_place else layout.run_folder(root, rid) for k, root in roots.items()}
     contract = contract or cfg.contract_keys()
     now = time.time()
     return Run(rid, key, str(contract["model"]), weights, contract, **folders,
