@@ -13,7 +13,8 @@ from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs
 from eagle3d.statemachine.config import load_config, load_in_force, write_in_force
 from eagle3d.statemachine.ledger import Ledger
-from tests.pipeline import ctl
+from tests.pipeline import ctl, edit_config
+from tests.test_extract_stage import plan
 
 
 def test_a_run_key_names_the_target_and_ignores_the_limit(config_factory):
@@ -120,5 +121,30 @@ def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_fact
         assert not (a.paths.dataset_dir / "shard-0000").exists()
         with Ledger(layout.ledger(daemon.cfg.paths.state_dir), readonly=True) as ledger:
             assert "done with it" in ledger.events_of(("run_forgotten",))[0][2]
+    finally:
+        daemon.ledger.close()
+
+
+def test_a_switch_to_a_new_run_that_cannot_fit_is_refused_with_the_figures(config_factory):
+    """The current run's bytes per sample times the new run's limit, against the dataset disk:
+    a switch that cannot fit is refused and the current run stays; a switch back to a run that
+    exists is always taken."""
+    path = config_factory()
+    cfg = load_config(path)
+    prepare_dirs(cfg)
+    plan(cfg, 2)
+    daemon = Daemon(load_config(path))
+    try:
+        for sample in daemon.ledger.claim(2, 10**6):
+            daemon.ledger.mark_extracted(sample.id, "x", 1 << 40, "c")  # a TiB each
+        first = daemon.current
+        edit_config(path, "target", dtype="bfloat16")
+        daemon.reload()
+        assert daemon.current == first
+        assert daemon.config_problem.startswith("reload refused, the old config stays in force: "
+                                                "the rest of the dataset is projected at 20.0 TiB")
+        edit_config(path, "target", dtype="float32")
+        daemon.reload()
+        assert daemon.config_problem is None and daemon.current.id == first.id
     finally:
         daemon.ledger.close()
