@@ -100,6 +100,11 @@ class Daemon:
         self._last_state = 0.0
         log.info("run %s (%s) in %s", selected.run.id, "new" if selected.new else "resumed",
                  self.cfg.paths.dataset_dir)
+        if selected.set_aside is not None:  # at a reload, or at a start with another contract
+            self.switched = (f"{selected.set_aside.id} set aside, {selected.run.id} "
+                             f"{'started' if selected.new else 'resumed'}")
+            log.info("runs: %s", self.switched)
+            self.ledger.event("run_current", self.switched)
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -289,10 +294,7 @@ class Daemon:
         self.ledger.close()
         self.enter(selected)
         self.recover_run("run resumed")
-        self.switched = (f"{before.id} set aside, {selected.run.id} "
-                         f"{'started' if selected.new else 'resumed'}")
-        log.info("config reloaded from %s: %s", new.path, self.switched)
-        self.ledger.event("run_current", self.switched)
+        log.info("config reloaded from %s", new.path)
 
     # ---- publishing ---------------------------------------------------------------------------
 
