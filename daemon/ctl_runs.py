@@ -20,7 +20,7 @@ def describe(run: runs.Run, current: bool) -> dict[str, Any]:
     state, _ = read_state(run.state_dir)
     out: dict[str, Any] = {
         "id": run.id, "current": current, "target": run.model, "fingerprint": run.key[-8:],
-        "weights": run.weights, "stage": (state or {}).get("underlying", "not started"),
+        "weights": run.weights, "contract": run.contract, "stage": (state or {}).get("underlying", "not started"),
         "samples": {}, "bytes": 0, "created": run.created,
         "last_active": time.time() if current else run.last_active,
         "drafter": None, "acceptance_length": None, "forgotten": run.forgotten,
@@ -52,9 +52,12 @@ def _row(r: dict[str, Any]) -> str:
                if r["drafter"] and r["acceptance_length"] else
                f"drafter {r['drafter']}" if r["drafter"] else "no drafter yet")
     mark = "*" if r["current"] else " "
+    c = r["contract"]  # what tells two runs of one target apart, most often
+    target = (f"{r['target']} ({c.get('dtype')}, dumps {c.get('dump_dtype')}, layers "
+              f"{c.get('aux_layers')}, {c.get('source')} from {c.get('first')})")
     if r["forgotten"]:
-        return f"{mark} {r['id']}  {r['target']}  forgotten: {r['forgotten']}"
-    return (f"{mark} {r['id']}  {r['target']}  {r['stage']}  {counts}  "
+        return f"{mark} {r['id']}  {target}  forgotten: {r['forgotten']}"
+    return (f"{mark} {r['id']}  {target}  {r['stage']}  {counts}  "
             f"{human_bytes(r['bytes'])}  last active {active}  {drafter}")
 
 
