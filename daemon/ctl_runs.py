@@ -78,7 +78,7 @@ def cmd_forget(cfg: Config, args: argparse.Namespace) -> int:
     root = cfg.paths.state_dir
     try:
         run, freed = runs.forget(root, args.run, args.reason)
-    except (ValueError, ConfigError) as exc:
+    except (ValueError, ConfigError, OSError) as exc:  # OSError: not the daemon's user, say
         print(f"eagle3ctl: {exc}", file=sys.stderr)
         return 1
     message = f"{run.id} forgotten, {human_bytes(freed)} freed: {args.reason}"
