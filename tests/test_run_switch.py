@@ -1,21 +1,24 @@
 """Changing targets by editing the config: a reload sets the current run aside and starts (or
-resumes) the run of the new target, each in its own folders; nothing is mixed, lost or done
-twice, across a kill -9 of the daemon too."""
+resumes) the run of the new target (SmolLM2 with other weights), each in its own folders;
+nothing is mixed, lost or done twice, across a kill -9 of the daemon too, and each dataset's
+dumps are its own target's (checked against independent forwards)."""
 
 from __future__ import annotations
 
-import shutil
 import signal
 from collections import Counter
-from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from eagle3d.dataset import contract, dumpformat
 from eagle3d.statemachine import layout, runs
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
+from eagle3d.target import loading
 from tests.conftest import SMOLLM
+from tests.test_config_in_force import SMOLLM_FILE, perturbed_model
 from tests.pipeline import DaemonProcess, ctl, edit_config, messages_config, status
 
 N = 6
@@ -42,10 +45,29 @@ def check_run(run: runs.Run) -> None:
     assert set(once.values()) == {1}, once  # nothing extracted twice across the switches
 
 
+def final_states(model_path, dumps: list[dict]) -> list[torch.Tensor]:
+    model = loading.load_model(model_path, "float32", "cpu")
+    with torch.no_grad():
+        return [model(d["input_ids"].long()[None], output_hidden_states=True).hidden_states[-1][0]
+                for d in dumps]
+
+
+def check_forwards(run: runs.Run, own, other) -> None:
+    """Two of the run's dumps are its own target's forward, not the other target's."""
+    with Ledger(layout.ledger(run.state_dir), readonly=True) as ledger:
+        dumps = [load_file(str(run.dataset_dir / s.path)) for s in ledger.samples("verified",
+                                                                                   limit=2)]
+    for model, wanted in ((own, True), (other, False)):
+        for dump, state in zip(dumps, final_states(model, dumps)):
+            cosine = torch.nn.functional.cosine_similarity(
+                state.float(), dump["last_hidden_state"].float(), dim=-1).min()
+            assert (cosine > 0.98) == wanted, (run.id, model, float(cosine))
+
+
 @pytest.mark.slow
 def test_switch_targets_and_back_across_a_kill_9(config_factory, tmp_path):
     config = messages_config(config_factory, tmp_path, N, extract={"batch_tokens": 256})
-    other = Path(shutil.copy(load_config(config).target.model_path, tmp_path / "other.gguf"))
+    other = perturbed_model(tmp_path / "other-target")  # the same shape, other weights
     with DaemonProcess(config) as d:
         st = d.status_until(lambda s: extracted(s) >= 2 and s["run"], 600, "A extracting")
         a = st["run"]["id"]
@@ -80,3 +102,5 @@ def test_switch_targets_and_back_across_a_kill_9(config_factory, tmp_path):
         assert d.wait(600) == 0, d.output()[-4000:]
     check_run(run_b)
     assert status(config)["run"]["id"] == b
+    check_forwards(run_a, SMOLLM_FILE, other)
+    check_forwards(run_b, other, SMOLLM_FILE)
