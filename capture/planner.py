@@ -132,7 +132,8 @@ def ensure_contract(dataset_dir: Path, wanted: dict[str, Any]) -> dict[str, Any]
     if diff:
         raise ContractMismatch(
             f"{layout.contract_file(dataset_dir)} was made with other settings ({'; '.join(diff)});"
-            " point [paths] dataset_dir and state_dir at new folders to start a new dataset")
+            " put them back, or reload the daemon with them (systemctl reload eagle3d): other "
+            "settings are another run, in its own folders")
     return existing
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 
 from eagle3d.statemachine.config import Config, human_bytes
+from eagle3d.statemachine.runs import Run
 
 
 @dataclass(frozen=True)
@@ -63,3 +64,11 @@ def spool_pause(cfg: Config, spooled: int, free: int, one_batch: int) -> str | N
                 f"one batch of dumps ({human_bytes(one_batch)}); dispatch resumes when space "
                 "is freed")
     return None
+
+
+def reclaimable(set_aside: list[tuple[Run, int]]) -> str:
+    """What a budget's reason adds where runs were set aside: their sizes and the command that
+    frees them."""
+    listed = ", ".join(f"{run.id} ({human_bytes(size)})" for run, size in set_aside)
+    return (f"; runs set aside hold {human_bytes(sum(size for _, size in set_aside))} on it, "
+            f"reclaimable with eagle3ctl forget RUN --reason TEXT: {listed}")

@@ -104,6 +104,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["trainer"] = state.get("trainer", {})
     out["verify"] = state.get("verify")
     out["config_problem"] = state.get("config", {}).get("problem")
+    out["run"] = state.get("run", {})
     d = state.get("daemon", {})
     age = time.time() - d["heartbeat"] if "heartbeat" in d else None
     alive = bool(d.get("alive") and d.get("pid") and age is not None and age < HEARTBEAT_STALE_S
@@ -145,6 +146,9 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append("daemon    NOT RUNNING")
     if st.get("config_problem"):
         lines.append(f"config    {st['config_problem']}")
+    if st.get("run"):
+        from eagle3d.daemon.ctl_runs import run_line  # only where the daemon published runs
+        lines.append(run_line(st["run"]))
     trainer = st.get("trainer", {})
     if st["stage"] in ("train", "done") or trainer.get("status") in ("training", "evaluating"):
         total = trainer.get("total_steps") or 0
@@ -393,6 +397,11 @@ def _events_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--limit", type=int, default=30)
 
 
+def _forget_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("run", help="the run's id (eagle3ctl runs), or a unique prefix of it")
+    s.add_argument("--reason", required=True)
+
+
 def _eval_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--drafter", help="export folder (default <train_dir>/export)")
     where = s.add_mutually_exclusive_group()
@@ -424,6 +433,9 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None]
     "events": ("the ledger's event log, newest last", _events_args),
     "eval": ("measure a drafter's acceptance length with the real target", _eval_args),
     "engine-command": ("print the exact command of each process that runs the target", None),
+    "runs": ("every run (one per capture contract): target, stage, counts, bytes, drafter",
+             lambda s: s.add_argument("--json", action="store_true")),
+    "forget": ("delete a set-aside run's data, with a written reason", _forget_args),
 }
 
 
@@ -474,8 +486,10 @@ def run(argv: list[str]) -> int:
     _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
     args = build_parser(_command_word(argv)).parse_args(argv)
     try:
-        # check-config checks the operator's file; everything else is about what is in force.
-        cfg = (load_config if args.command == "check-config" else load_in_force)(args.config)
+        # check-config checks the operator's file, and the runs live under its folders;
+        # everything else is about what is in force.
+        cfg = (load_config if args.command in ("check-config", "runs", "forget")
+               else load_in_force)(args.config)
     except ConfigError as exc:
         print(f"eagle3ctl: {exc}", file=sys.stderr)
         return 2
@@ -489,6 +503,10 @@ def run(argv: list[str]) -> int:
         return 0
     if args.command == "status":
         return cmd_status(cfg, args)
+    if args.command in ("runs", "forget"):
+        from eagle3d.daemon import ctl_runs
+        return ctl_runs.cmd_runs(cfg, args) if args.command == "runs" else \
+            ctl_runs.cmd_forget(cfg, args)
     if args.command == "pause":
         return _request(cfg, "pause", {"reason": args.reason})
     if args.command == "resume":

@@ -50,9 +50,6 @@ class PipelineStage(Protocol):
 class Pipeline(NamedTuple):
     stages: tuple[PipelineStage, ...]
     verified_fingerprint: Callable[[], str]
-    # Why the config in force does not fit the dataset (its contract or its data slice), or None:
-    # a reload is judged against the dataset itself while the daemon is blocked on such a config.
-    conflict: Callable[[], str | None]
 
 
 def build(cfg: Config, ledger: Ledger, pid_dir: Path, engine_factory: EngineFactory,
@@ -68,7 +65,6 @@ def build(cfg: Config, ledger: Ledger, pid_dir: Path, engine_factory: EngineFact
     train = TrainStage(cfg, ledger, pid_dir,
                        gate.fingerprint if gate else verify.verified_fingerprint)
     extract.gpus_taken = train.holds_gpus
-    plan = PlanStage(cfg, ledger, pid_dir)
-    stages = (plan, GenerateStage(cfg, ledger, pid_dir), extract, verify,
+    stages = (PlanStage(cfg, ledger, pid_dir), GenerateStage(cfg, ledger, pid_dir), extract, verify,
               *((gate,) if gate else ()), train)
-    return Pipeline(stages, verify.verified_fingerprint, plan.conflict)
+    return Pipeline(stages, verify.verified_fingerprint)

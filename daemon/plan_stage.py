@@ -23,9 +23,9 @@ from eagle3d.target import loading
 
 log = logging.getLogger("eagle3d")
 
-CONTRACT_MISMATCH = ("the config does not match this dataset's capture contract (the log lists "
-                     "the differences): point [paths] dataset_dir and state_dir at new folders "
-                     "to start a new dataset")
+CONTRACT_MISMATCH = ("the config does not match this run's capture contract (the log lists "
+                     "the differences): put the settings back and reload (systemctl reload "
+                     "eagle3d)")
 
 
 def planner_argv(cfg: Config) -> list[str]:
@@ -90,8 +90,8 @@ class PlanStage:
         if not changed:
             return None
         return (f"[data] {', '.join(changed)} changed since this dataset was planned "
-                f"(was {', '.join(str(meta('plan.' + k)) for k in changed)}); point [paths] "
-                "state_dir and dataset_dir at new folders to start a new dataset")
+                f"(was {', '.join(str(meta('plan.' + k)) for k in changed)}); put them back "
+                "and reload: a reload of a new data slice switches to its own run")
 
     def observe(self, seen: Seen) -> dict[str, Any]:
         return {"plan_complete": self.complete(), "blocked": self.blocked}

@@ -8,6 +8,11 @@ children, disks) in, one idempotent step out, every tick.
 
 Nothing here is remembered that the facts on disk cannot tell again, except what is deliberately
 short-lived (rates, backoff timers): a restart continues exactly where the files say it is.
+
+The daemon works on one run at a time (statemachine/runs.py): the run of the config's capture
+contract. A reload that edits a contract key switches runs: the current run's stages stop within
+their bounds, its state stays as it is, and the stages are built again for the run of the new
+contract, resumed or new.
 """
 
 from __future__ import annotations
@@ -18,15 +23,14 @@ import signal
 import time
 from typing import Any
 
-from eagle3d.daemon import control, requests
-from eagle3d.daemon import pipeline
+from eagle3d.daemon import budgets, control, pipeline, requests, run_select
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
-from eagle3d.statemachine import entry, layout, stages
+from eagle3d.statemachine import entry, layout, runs, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
 from eagle3d.statemachine.config import (STOP_BUDGET_S, Config, ConfigError, daemon_problem,
                                           load_config, reload_problem, write_in_force)
@@ -64,23 +68,43 @@ class Daemon:
         problem = daemon_problem(cfg)
         if problem:
             raise ConfigError(problem)
-        self.cfg = cfg
+        self.root_cfg = cfg  # the configured folders: the runs live under them
         self.until = until
+        self.engine_factory = engine_factory
         prepare_dirs(cfg)
-        write_in_force(cfg)  # before any child: children start from it, never from cfg.path
-        pid_dir = layout.children_dir(cfg.paths.state_dir)
-        self.ledger = Ledger(layout.ledger(cfg.paths.state_dir))
+        # Every run's children have their pid files here, so that a daemon restarted on another
+        # run still ends the orphans of the run it crashed in.
+        self.pid_dir = layout.children_dir(cfg.paths.state_dir)
         self.notifier = Notifier.from_env()
         self.started = time.time()
         self.stopping = False
         self.reload_requested = False
         self.config_problem: str | None = None
+        self.switched: str | None = None  # which run was set aside for which, for status
+        self._last_ping = 0.0
+        self.enter(run_select.select(cfg))
+
+    def enter(self, selected: runs.Selected) -> None:
+        """Work on `selected`'s run from now on: its folders, its ledger, its stages."""
+        self.current = selected.run
+        self.cfg = runs.run_config(self.root_cfg, selected.run)
+        prepare_dirs(self.cfg)
+        write_in_force(self.cfg)  # before any child: children start from it, never from cfg.path
+        self.ledger = Ledger(layout.ledger(self.cfg.paths.state_dir))
         self.decision: Decision | None = None
         self.stage_since = time.time()
-        self.stages, self.verified_fingerprint, self.conflict = pipeline.build(
-            cfg, self.ledger, pid_dir, engine_factory, heartbeat=self.publish)
+        self.stages, self.verified_fingerprint = pipeline.build(
+            self.cfg, self.ledger, self.pid_dir, self.engine_factory, heartbeat=self.publish)
+        self._registry_seen = -1.0
+        self.note_set_aside()
         self._last_state = 0.0
-        self._last_ping = 0.0
+        log.info("run %s (%s) in %s", selected.run.id, "new" if selected.new else "resumed",
+                 self.cfg.paths.dataset_dir)
+        if selected.set_aside is not None:  # at a reload, or at a start with another contract
+            self.switched = (f"{selected.set_aside.id} set aside, {selected.run.id} "
+                             f"{'started' if selected.new else 'resumed'}")
+            log.info("runs: %s", self.switched)
+            self.ledger.event("run_current", self.switched)
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -121,13 +145,31 @@ class Daemon:
     def _on_hup(self, signum: int, frame: Any) -> None:
         self.reload_requested = True
 
+    def note_set_aside(self) -> None:
+        """The set-aside runs and their sizes, read again whenever the registry changes (a run
+        forgotten by eagle3ctl): a stat per tick, a walk of their folders per change."""
+        root = self.root_cfg.paths.state_dir
+        try:
+            mtime = layout.runs_registry(root).stat().st_mtime
+        except FileNotFoundError:
+            mtime = 0.0
+        if mtime != self._registry_seen:
+            self._registry_seen = mtime
+            self.set_aside = runs.set_aside(root)
+
     def recover(self) -> None:
         """Facts first: end the previous life's children, return in-flight samples, clean up."""
-        ended = end_orphans(layout.children_dir(self.cfg.paths.state_dir))
+        ended = end_orphans(self.pid_dir)
         if ended:
             log.warning("ended children of a previous daemon: %s", ", ".join(ended))
             self.ledger.event("orphans_ended", ", ".join(ended))
-        n = self.ledger.requeue_inflight("daemon (re)started")
+        self.recover_run("daemon (re)started")
+        self.ledger.event("daemon_started", f"pid {os.getpid()}")
+
+    def recover_run(self, why: str) -> None:
+        """The run's own debris: in-flight samples back to pending, dead temp files, dataset
+        files of an interrupted ingest."""
+        n = self.ledger.requeue_inflight(why)
         if n:
             log.info("returned %d in-flight samples to pending", n)
         for name in remove_dead_temps(self.cfg.paths.state_dir) + remove_dead_temps(
@@ -136,7 +178,6 @@ class Daemon:
         removed = remove_dataset_debris(self.cfg.paths.dataset_dir, self.ledger)
         if removed:
             log.info("removed %d dataset files left by an interrupted ingest", len(removed))
-        self.ledger.event("daemon_started", f"pid {os.getpid()}")
 
     def shutdown(self) -> None:
         """Stop dispatch, let the engine finish what it holds, return the rest to pending,
@@ -173,6 +214,7 @@ class Daemon:
         self.publish()
 
     def observe(self) -> Facts:
+        self.note_set_aside()
         counts = self.ledger.counts()
         # The verified set's fingerprint costs a pass over it: only worth it once the gate is
         # open, when it changes rarely (per-sample cost must stay flat at a million samples).
@@ -183,6 +225,8 @@ class Daemon:
             part = stage.observe(seen)
             blocked.append(part.pop("blocked", None))
             facts.update(part)
+        if facts.get("budget_pause") and self.set_aside:
+            facts["budget_pause"] += budgets.reclaimable(self.set_aside)
         return Facts(counts=counts, operator_pause=self.ledger.meta("pause"),
                      blocked=next((b for b in blocked if b), None), **facts)
 
@@ -192,26 +236,65 @@ class Daemon:
             stage.unblock(all_failed)
 
     def reload(self) -> None:
-        """SIGHUP: take a new config if it validates and keeps the dataset's contract."""
+        """SIGHUP: take a new config if it validates; one that edits a contract key switches
+        runs."""
         self.notifier.reloading()
         try:
-            new = load_config(self.cfg.path)
-            problem = reload_problem(self.cfg, new, self.conflict() is None)
+            new = load_config(self.root_cfg.path)
+            problem = reload_problem(self.root_cfg, new)
+            weights = run_select.weights_of(new)
+            switch = runs.run_key(new.contract_keys(), weights) != self.current.key
+            if switch and not problem:
+                problem = self.new_run_problem(new, weights)
         except ConfigError as exc:
             problem = f"the new config does not validate: {exc}"
         if problem:
             self.config_problem = f"reload refused, the old config stays in force: {problem}"
             log.error("%s", self.config_problem)
             self.ledger.event("reload_refused", problem)
+        elif switch:
+            self.config_problem = None
+            self.switch(new, weights)
         else:
-            write_in_force(new)
-            self.cfg = new
+            self.root_cfg = new
+            self.cfg = runs.run_config(new, self.current)
+            write_in_force(self.cfg)
             self.config_problem = None
             for stage in self.stages:
-                stage.reconfigure(new)
+                stage.reconfigure(self.cfg)
             log.info("config reloaded from %s", new.path)
             self.ledger.event("reloaded", str(new.path))
         self.notifier.ready()
+
+    def new_run_problem(self, new: Config, weights: str) -> str | None:
+        """Why a switch to a new run must be refused: the current run's bytes per sample, times
+        the new run's samples, do not fit the dataset disk. A run to resume is always taken."""
+        if runs.find(new, weights) is not None:
+            return None
+        counts = self.ledger.counts()
+        done = counts.get("extracted") + counts.get("verified")
+        if not done:
+            return None
+        projected = sum(counts.bytes.values()) // done * new.data.limit
+        free = budgets.disks(self.cfg)[0].free
+        return budgets.projection_pause(new, free, projected)
+
+    def switch(self, new: Config, weights: str) -> None:
+        """Set the current run aside (its stages stopped within their bounds, its state intact)
+        and go on with the run of `new`'s contract: resumed where it stopped, or new."""
+        before = self.current
+        deadline = time.monotonic() + STOP_BUDGET_S
+        for stage in reversed(self.stages):
+            stage.stop(deadline)
+        self.ledger.requeue_inflight("run set aside")
+        self.publish(final=True)  # its state file says where it stopped
+        self.root_cfg = new
+        selected = run_select.select(new, weights)
+        self.ledger.event("run_set_aside", f"{before.id}; now {selected.run.id}")
+        self.ledger.close()
+        self.enter(selected)
+        self.recover_run("run resumed")
+        log.info("config reloaded from %s", new.path)
 
     # ---- publishing ---------------------------------------------------------------------------
 

@@ -33,6 +33,8 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
         "since": daemon.stage_since,
         "updated": time.time(),
         "config": {"path": str(daemon.cfg.path), "problem": daemon.config_problem},
+        "run": {"id": daemon.current.id, "switched": daemon.switched or "",
+                "set_aside": [{"id": run.id, "bytes": size} for run, size in daemon.set_aside]},
         "samples": {**{k: counts.get(k) for k in STATUSES},
                     "total": counts.total, "skipped": daemon.ledger.skipped_count()},
         "tokens": {"done": counts.done_tokens, "total": counts.wanted_tokens},

@@ -141,5 +141,5 @@ def config_problem(doc: dict[str, Any], cfg: Config, target_fingerprint: str) ->
         return None
     return (f"{cfg.path} does not match the dataset's capture contract "
             f"{layout.contract_file(cfg.paths.dataset_dir)}: {'; '.join(changed)}. Put the "
-            "settings back (systemctl reload eagle3d), or point [paths] dataset_dir and state_dir "
-            "at new folders for a new dataset (systemctl restart eagle3d)")
+            "settings back and reload (systemctl reload eagle3d): a reload of another contract "
+            "switches to that contract's own run")

@@ -295,25 +295,20 @@ def _digest(data: bytes) -> str:
 def load_in_force(path: str | os.PathLike) -> Config:
     """For processes beside the daemon (eagle3ctl, train-node): the config in force where the
     daemon has written one for the config at `path` (its state folder), else that config. An
-    edit the daemon refused must not show a command, or start a trainer, it would not run."""
+    edit the daemon refused must not show a command, or start a trainer, it would not run.
+    That of the current run (statemachine/runs.py): its folders are the run's."""
+    from eagle3d.statemachine import runs  # it builds on this module
     cfg = load_config(path)
-    in_force = layout.config_in_force(cfg.paths.state_dir)
+    in_force = layout.config_in_force(runs.current_state_dir(cfg.paths.state_dir))
     return load_config(in_force) if in_force.is_file() else cfg
 
 
-def reload_problem(old: Config, new: Config, old_fits: bool = True) -> str | None:
-    """Why a new config cannot be taken on the fly, or None. Where the config in force does not
-    fit the dataset (`old_fits` False: the daemon is blocked on it), the new one is not held
-    against it: the daemon judges it against the dataset itself, so that undoing an edit
-    needs no restart."""
+def reload_problem(old: Config, new: Config) -> str | None:
+    """Why a new config cannot be taken on the fly, or None. An edit of the contract keys is
+    taken: it switches runs (statemachine/runs.py, daemon/reconcile.py)."""
     if new.paths != old.paths:
         return ("[paths] changed: restart the daemon to switch to other folders "
                 "(systemctl restart eagle3d)")
-    a, b = old.contract_keys(), new.contract_keys()
-    changed = [k for k in a if a[k] != b[k]] if old_fits else []
-    if changed:
-        return (f"{', '.join(changed)} would break the dataset's capture contract; point "
-                "[paths] dataset_dir and state_dir at new folders for a new dataset")
     if new.target.engine != old.target.engine:
         return "[target] engine changed: restart the daemon to switch engines"
     return daemon_problem(new)

@@ -122,3 +122,29 @@ def compile_cache_dir(train_dir: Path) -> Path:
     """torch.compile's kernels for the trainer on CUDA (drafter/train.py): beside the checkpoints,
     so that a resumed trainer finds them where the service's private /tmp has been emptied."""
     return Path(train_dir) / "compile-cache"
+
+
+# ---- runs ---------------------------------------------------------------------------------------
+# A run is the samples bound by one capture contract (statemachine/runs.py). The first run lives
+# in the configured folders themselves, so that folders written before runs existed are that run
+# in place; every further run lives in `<root>/runs/<run id>/` under each configured root.
+
+
+def runs_registry(state_root: Path) -> Path:
+    """Every run, the current one named (statemachine/runs.py)."""
+    return Path(state_root) / "runs.toml"
+
+
+def runs_lock(state_root: Path) -> Path:
+    """Held while the registry is read and rewritten (statemachine/runs.py)."""
+    return Path(state_root) / "runs.lock"
+
+
+def run_folder(root: Path, run_id: str) -> Path:
+    """A further run's folder under one configured root."""
+    return Path(root) / "runs" / run_id
+
+
+# The names in a configured root that are not the in-place run's own: forgetting that run
+# keeps them.
+ROOT_SHARED = ("runs", "runs.toml", "runs.lock", "children")

@@ -123,7 +123,12 @@ def write_done(train_dir: Path, fingerprint: str, result: dict[str, Any]) -> Non
         "identical_to_greedy": result.get("identical_to_greedy"), "finished": time.time()})
 
 
+def read_done(train_dir: Path) -> dict[str, Any] | None:
+    """The done marker: the drafter's export and its acceptance length, or None."""
+    return _read(layout.done_file(train_dir))
+
+
 def done_for(train_dir: Path, fingerprint: str | None) -> bool:
     """The drafter of this manifest is trained, exported and evaluated."""
-    done = _read(layout.done_file(train_dir))
+    done = read_done(train_dir)
     return bool(done and fingerprint and done.get("manifest_fingerprint") == fingerprint)

@@ -21,8 +21,8 @@ def require(contract: dict[str, Any], found: str, model: str) -> None:
         raise ContractMismatch(
             f"the target {model} is not the model this dataset was captured with (weights "
             f"fingerprint {found}, the capture contract says "
-            f"{contract.get('target_fingerprint')}): put that model back, or point [paths] "
-            "dataset_dir and state_dir at new folders for a new dataset")
+            f"{contract.get('target_fingerprint')}): put that model back, or reload the daemon with "
+            "it (systemctl reload eagle3d): another model is another run, in its own folders")
 
 
 def check(contract: dict[str, Any], model_path: Path, model: str) -> str:

@@ -137,17 +137,21 @@ def test_dump_dtype_left_out_is_the_target_dtype(config_factory):
     assert fp8.extract.dump_dtype == "float8_e4m3fn" and fp8.target.dtype == "float32"
 
 
-def test_a_reload_that_changes_dump_dtype_is_refused(config_factory):
+def test_a_reload_takes_contract_edits_and_refuses_path_edits(config_factory):
+    """A contract key edited is taken (the daemon switches runs); other folders need a restart."""
     running = load_config(without_dump_dtype(config_factory({"target": {"dtype": "bfloat16"}})))
 
-    def edited(dump_dtype: str):
+    def edited(paths: dict[str, str], dump_dtype: str):
         return load_config(config_factory({"target": {"dtype": "bfloat16"},
-                                           "paths": {"spool_dir": str(running.paths.spool_dir)},
+                                           "paths": {"spool_dir": str(running.paths.spool_dir),
+                                                     **paths},
                                            "extract": {"dump_dtype": dump_dtype}},
                                           name=f"{dump_dtype}.toml"))
-    assert reload_problem(running, edited("bfloat16")) is None  # spelt out: the same
-    assert reload_problem(running, edited("float8_e4m3fn")).startswith(
-        "dump_dtype would break the dataset's capture contract")
+    assert reload_problem(running, edited({}, "bfloat16")) is None  # spelt out: the same
+    assert reload_problem(running, edited({}, "float8_e4m3fn")) is None
+    elsewhere = {"dataset_dir": str(running.paths.dataset_dir) + "-2"}
+    assert reload_problem(running, edited(elsewhere, "float8_e4m3fn")).startswith(
+        "[paths] changed: restart the daemon")
 
 
 def test_hub_names_resolve_to_their_cached_snapshot_or_are_refused(config_factory, tmp_path,

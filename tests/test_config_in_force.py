@@ -20,7 +20,7 @@ from eagle3d.statemachine.config import load_config, parse_config, resolve_locat
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.target import loading
 from tests.conftest import REPO, SMOLLM
-from tests.pipeline import DaemonProcess, ctl, edit_config, messages_config, status
+from tests.pipeline import DaemonProcess, ctl, edit_config, messages_config, status, wait_for
 
 
 def test_the_config_in_force_loads_back_the_same_from_any_folder(config_factory, tmp_path):
@@ -77,11 +77,14 @@ def test_a_refused_model_edit_never_reaches_a_restarted_engine(config_factory, t
     with DaemonProcess(config, "--until", "train") as d:
         st = d.status_until(lambda s: s["engine"].get("status") == "ready", 300, "the engine")
         assert st["samples"]["pending"] == 8
+        # A model edit alone switches runs: one in a file that does not validate is refused.
         edit_config(config, "target", model=str(edited))
+        edit_config(config, "extract", batch_tokens=-1)
         d.proc.send_signal(signal.SIGHUP)
-        st = d.status_until(lambda s: "reload refused" in (s.get("config_problem") or ""), 60,
-                            "the refusal")
-        assert "model" in st["config_problem"]
+        wait_for(lambda: "reload refused" in d.output(), 60, "the refusal")
+        edit_config(config, "extract", batch_tokens=2048)  # valid again, never reloaded
+        st = d.status_until(lambda s: "does not validate" in (s.get("config_problem") or ""), 60,
+                            "the refusal in status")
         first_engine = st["engine"]["pid"]
         subprocess.run(["kill", "-9", str(first_engine)], check=True)
         st = d.status_until(lambda s: s["engine"].get("status") == "ready"

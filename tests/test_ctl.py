@@ -193,3 +193,23 @@ def test_eagle3ctl_shows_the_config_in_force_not_an_edit_the_daemon_refused(conf
     assert shown.returncode == 0, shown.stderr
     assert "--mem-fraction-static 0.5 " in shown.stdout
     assert ctl(config, "check-config").returncode == 0
+
+
+def test_status_with_runs_imports_only_what_it_shows(config_factory):
+    """The run line of a daemon that switched runs costs status no module it avoids."""
+    from eagle3d.statemachine.config import load_config
+    cfg = load_config(config_factory())
+    cfg.paths.state_dir.mkdir(parents=True)
+    write_state(cfg.paths.state_dir, {"stage": "extract", "run": {
+        "id": "b-1", "switched": "a-1 set aside, b-1 started",
+        "set_aside": [{"id": "a-1", "bytes": 1 << 20}]}})
+    code = ("import sys; from eagle3d.daemon.ctl import main; "
+            f"import contextlib, io; sys.argv=['eagle3ctl','-c',{str(cfg.path)!r},'status'];"
+            "\nout = io.StringIO()\nwith contextlib.redirect_stdout(out):\n    main(sys.argv[1:])\n"
+            "print([m for m in ('dataclasses', 'inspect', 'hashlib', 'json', 'signal', 'torch') "
+            "if m in sys.modules]); print(out.getvalue())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=60)
+    assert out.stdout.startswith("[]\n"), out.stdout + out.stderr[-3000:]
+    assert "run       b-1 (a-1 set aside, b-1 started) · 1 set aside (1.0 MiB on the dataset " \
+           "disk): eagle3ctl runs" in out.stdout

@@ -191,7 +191,7 @@ def test_changed_contract_is_refused(tmp_path, tokenizer):
     assert result.returncode == 3
     message = result.stderr.strip().splitlines()[-1]
     assert "dtype: 'bfloat16' -> 'float32'" in message
-    assert "point [paths] dataset_dir and state_dir at new folders" in message
+    assert "other settings are another run, in its own folders" in message
     assert not (tmp_path / "state" / "ledger.sqlite").exists()
     fp8 = run_planner(write_config(tmp_path, SHAREGPT, extract='dump_dtype = "float8_e4m3fn"'))
     assert fp8.returncode == 3

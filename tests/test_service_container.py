@@ -186,22 +186,29 @@ def test_status_as_operator_in_the_group_and_not_as_a_stranger(service: Containe
     assert "Traceback" not in stranger.stderr
 
 
-def test_reload_refuses_a_contract_change_and_takes_a_larger_limit(service: Container):
+def test_reload_switches_runs_refuses_an_invalid_file_and_switches_back(service: Container):
+    first = status(service)["run"]["id"]
     write(service, CONFIG, service_config(FIRST_LIMIT, extract={"dump_dtype": "float16"}),
           mode="0640", group="eagle3d")
     # systemd 252 returns from `reload` once the signal is sent (it waits for the daemon's
     # READY=1 only from 253, with Type=notify-reload): the verdict comes a tick later.
     service.sh("systemctl reload eagle3d")
-    st = wait_for("the refusal", lambda: (lambda s: s if s["config_problem"] else None)(
-        status(service)), 60, service)
-    assert "dump_dtype" in st["config_problem"] and "contract" in st["config_problem"]
+    st = wait_for("the switch", lambda: (lambda s: s if s["run"].get("id") not in (None, first)
+                                         else None)(status(service)), 120, service)
+    assert st["run"]["switched"].startswith(f"{first} set aside, ")
     assert show(service, "ActiveState")["ActiveState"] == "active"
-    assert planned(st) == FIRST_LIMIT  # the old config still runs
+
+    write(service, CONFIG, service_config(FIRST_LIMIT, extract={"batch_tokens": 0}),
+          mode="0640", group="eagle3d")
+    service.sh("systemctl reload eagle3d")
+    wait_for("the refusal", lambda: "reload refused" in service.sh(
+        "journalctl -u eagle3d -o cat --no-pager").stdout, 60, service)
 
     write(service, CONFIG, service_config(RELOADED_LIMIT), mode="0640", group="eagle3d")
     service.sh("systemctl reload eagle3d")
-    wait_for("the larger limit", lambda: (lambda s: planned(s) == RELOADED_LIMIT
-             and not s["config_problem"])(status(service)), 300, service)
+    wait_for("the first run, with the larger limit", lambda: (lambda s: s["run"]["id"] == first
+             and planned(s) == RELOADED_LIMIT and not s["config_problem"])(status(service)),
+             300, service)
 
 
 def test_the_journal_keeps_each_line_s_priority(service: Container):
@@ -267,7 +274,8 @@ def test_the_run_reaches_done_with_every_sample_once(service: Container):
     assert st["samples"]["verified"] == n and planned(st) == RELOADED_LIMIT
     rows = samples(service)
     assert len(rows) == n and len({r["id"] for r in rows}) == n
-    files = service.sh("find /data/eagle3d/dataset -name '*.safetensors' | wc -l").stdout
+    files = service.sh("find /data/eagle3d/dataset -path /data/eagle3d/dataset/runs -prune "
+                       "-o -name '*.safetensors' -print | wc -l").stdout  # the run's own
     assert int(files) == n  # one file per sample: nothing duplicated by the kill or the trip
     assert show(service, "StatusText")["StatusText"].startswith("done")
     assert service.sh("test -f /data/eagle3d/train/export/model.safetensors",

@@ -17,7 +17,7 @@ from eagle3d.statemachine import layout, manifest, train_files
 from eagle3d.statemachine.config import Config, load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Stage
-from tests.pipeline import wait_for
+from tests.pipeline import edit_config, wait_for
 from tests.test_extract_stage import FakeEngine, plan
 
 GRACE = 7.0
@@ -161,3 +161,27 @@ def test_the_spot_checks_engine_waits_for_the_trainers_checkpoint(pipeline):
     assert [line.split()[0] for line in lines()] == ["engine", "train", "checkpoint", "engine",
                                                      "train"]
     assert stops == [GRACE, GRACE]  # each engine stopped with its grace when train came
+
+
+def test_a_target_switch_during_training_checkpoints_and_switching_back_resumes(pipeline):
+    """A reload of another contract while the trainer runs: the trainer stops at a checkpoint,
+    the new run starts in its own folders, and the reload back resumes training in the first
+    run's train folder, on the same verified set."""
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, _ = pipeline
+    children(trainer_runs=True)
+    tick_until(lambda: any(line.startswith("train") for line in lines()), "the trainer at work")
+    first = daemon.current
+    edit_config(cfg.path, "target", dtype="bfloat16")
+    daemon.reload()
+    assert lines()[-1] == "checkpoint" and daemon.current.id != first.id
+    assert daemon.cfg.paths.train_dir == cfg.paths.train_dir / "runs" / daemon.current.id
+    assert daemon.switched == f"{first.id} set aside, {daemon.current.id} started"
+    edit_config(cfg.path, "target", dtype="float32")
+    daemon.reload()
+    assert daemon.current.id == first.id and daemon.cfg.paths == cfg.paths
+    tick_until(lambda: [line.split()[0] for line in lines()] == ["engine", "train", "checkpoint",
+                                                                  "train"],
+               "the trainer started again in the first run")
+    trained = [line for line in lines() if line.startswith("train")]
+    assert trained[0] == trained[1]  # the same verified set: nothing was redone
+    assert len(engines) == 1  # no sample of the first run was extracted again

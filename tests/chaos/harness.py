@@ -16,7 +16,7 @@ import psutil
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon.verify import Expected, verify_many
 from eagle3d.statemachine import layout, manifest
-from eagle3d.statemachine.config import Config, load_config
+from eagle3d.statemachine.config import Config, load_in_force
 from eagle3d.statemachine.ledger import STATUSES, Ledger
 from eagle3d.statemachine.statefile import read_state
 from tests.conftest import write_conversations
@@ -209,8 +209,9 @@ def _cmd(p: psutil.Process) -> list[str]:
 
 def audit(config: Path, planned: int, trained: bool) -> int:
     """Everything the issue promises after chaos, checked from the files; returns the number of
-    samples lost (planned, but neither verified nor excluded). Raises on any other breach."""
-    cfg = load_config(config)
+    samples lost (planned, but neither verified nor excluded). Raises on any other breach. Of
+    the current run: its folders are the config in force's."""
+    cfg = load_in_force(config)
     problems: list[str] = []
     with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
         kept = dict(ledger.db.execute("SELECT status, n FROM counts").fetchall())
@@ -251,8 +252,9 @@ def audit(config: Path, planned: int, trained: bool) -> int:
                               layout.contract_file(cfg.paths.dataset_dir).name}
     if cfg.shard.count > 1:  # a shard publishes its state file beside its manifest
         expected.add(layout.published_state(cfg.paths.dataset_dir).name)
+    # Other runs live under the first run's folders (statemachine/runs.py): not its files.
     on_disk = {str(p.relative_to(cfg.paths.dataset_dir)) for p in cfg.paths.dataset_dir.rglob("*")
-               if not p.is_dir()}
+               if not p.is_dir() and p.relative_to(cfg.paths.dataset_dir).parts[0] != "runs"}
     if on_disk - expected:
         problems.append(f"orphan files in the dataset: {sorted(on_disk - expected)[:10]}")
     spool = [p.name for p in Path(cfg.paths.spool_dir).iterdir() if p.name != "rejected"] \

@@ -1,0 +1,43 @@
+"""Which run the daemon works on: the run whose capture contract the config's (with its target's
+weights) matches, resumed, or a new one (statemachine/runs.py keeps the registry)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from eagle3d.dataset import contract as capture_contract
+from eagle3d.statemachine import layout, runs
+from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.target import loading
+
+
+def weights_of(cfg: Config) -> str:
+    """The target's weights fingerprint, part of a run's key: other weights under the same model
+    name are another run."""
+    path = Path(cfg.target.model_path)
+    return loading.fingerprint_file_or_folder(path) if path.exists() else ""
+
+
+def in_place_contract(cfg: Config) -> tuple[dict[str, Any], str] | None:
+    """The contract keys and weights of a pipeline written in the configured folders before runs
+    existed, read from the config in force it left there and its capture contract; None where
+    there is a registry already, or nothing was written."""
+    root = cfg.paths.state_dir
+    in_force = layout.config_in_force(root)
+    if layout.runs_registry(root).exists() or not layout.ledger(root).exists() \
+            or not in_force.is_file():
+        return None
+    try:
+        before = load_config(in_force)
+    except ConfigError:
+        return None  # unreadable: the folders are the configured run's, the contract check judges
+    doc = capture_contract.read(cfg.paths.dataset_dir)
+    weights = doc.get("target_fingerprint", "") if doc else weights_of(before)
+    return before.contract_keys(), weights
+
+
+def select(cfg: Config, weights: str | None = None) -> runs.Selected:
+    """Make the run of `cfg` (configured roots) current."""
+    return runs.select(cfg, weights_of(cfg) if weights is None else weights,
+                       in_place_contract(cfg))

@@ -1,0 +1,150 @@
+"""Runs: one per capture contract, each in its own folders, the first in the configured ones; a
+switch back resumes the same folders, and a forgotten run is never resumed."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from eagle3d.daemon import run_select
+from eagle3d.daemon.reconcile import Daemon, prepare_dirs
+from eagle3d.statemachine import layout, runs
+from eagle3d.statemachine.config import load_config, load_in_force, write_in_force
+from eagle3d.statemachine.ledger import Ledger
+from tests.pipeline import ctl, edit_config
+from tests.test_extract_stage import plan
+
+
+def test_a_run_key_names_the_target_and_ignores_the_limit(config_factory):
+    a = load_config(config_factory())
+    more = load_config(config_factory({"data": {"limit": 500}}, name="more.toml"))
+    other = load_config(config_factory({"target": {"dtype": "bfloat16"}}, name="b.toml"))
+    key = runs.run_key(a.contract_keys(), "w")
+    assert key.startswith("smollm2-135m-instruct-q4-1-") and len(key.rsplit("-", 1)[1]) == 8
+    assert runs.run_key(more.contract_keys(), "w") == key  # a raised limit extends the run
+    assert runs.run_key(other.contract_keys(), "w") != key
+    assert runs.run_key(a.contract_keys(), "other weights") != key
+
+
+def test_the_first_run_lives_in_place_and_a_switch_back_resumes_its_folders(config_factory):
+    path = config_factory()
+    a = load_config(path)
+    first = run_select.select(a)
+    assert first.new and first.run.in_place and first.run.dataset_dir == a.paths.dataset_dir
+    b = load_config(config_factory({"target": {"dtype": "bfloat16"}}))  # same file, edited
+    second = run_select.select(b)
+    assert second.new and second.set_aside.id == first.run.id
+    assert second.run.dataset_dir == a.paths.dataset_dir / "runs" / second.run.id
+    assert second.run.state_dir == a.paths.state_dir / "runs" / second.run.id
+    back = run_select.select(load_config(config_factory()))
+    assert not back.new and back.run.id == first.run.id and back.set_aside.id == second.run.id
+    assert runs.read(a.paths.state_dir).current == first.run.id
+    # eagle3ctl follows the current run's config in force.
+    run_cfg = runs.run_config(b, second.run)
+    prepare_dirs(run_cfg)
+    write_in_force(run_cfg)
+    run_select.select(b)
+    assert load_in_force(path).paths.dataset_dir == second.run.dataset_dir
+
+
+def test_folders_from_before_runs_are_the_first_run_in_place(config_factory):
+    """An install that ran before runs existed: its folders keep the contract of the config in
+    force they hold, and a start with another contract opens a new run beside them instead of
+    blocking."""
+    old = load_config(config_factory())
+    prepare_dirs(old)
+    write_in_force(old)
+    Ledger(layout.ledger(old.paths.state_dir)).close()
+    (old.paths.dataset_dir / "shard-0000").mkdir()
+    edited = load_config(config_factory({"target": {"dtype": "bfloat16"}}))
+    selected = run_select.select(edited)
+    reg = runs.read(old.paths.state_dir)
+    first = next(r for r in reg.runs.values() if r.in_place)
+    assert first.key == runs.run_key(old.contract_keys(), run_select.weights_of(old))
+    assert selected.new and not selected.run.in_place and reg.current == selected.run.id
+    assert (old.paths.dataset_dir / "shard-0000").is_dir()  # nothing moved
+
+
+def test_forget_refuses_the_current_run_and_a_forgotten_run_is_never_resumed(config_factory):
+    path = config_factory()
+    a = load_config(path)
+    first = run_select.select(a).run
+    for folder in runs.FOLDERS:
+        getattr(a.paths, folder).mkdir(parents=True, exist_ok=True)
+    (a.paths.dataset_dir / "shard-0000").mkdir()
+    (a.paths.dataset_dir / "shard-0000" / "x.safetensors").write_bytes(b"\0" * 4096)
+    refused = ctl(path, "forget", first.id, "--reason", "old target")
+    assert refused.returncode == 1 and "is the current run" in refused.stderr
+    config_factory({"target": {"dtype": "bfloat16"}})
+    second = run_select.select(load_config(path)).run
+    prepare_dirs(runs.run_config(load_config(path), second))  # what the daemon makes of it
+    listed = json.loads(ctl(path, "runs", "--json").stdout)
+    assert [r["id"] for r in listed["runs"]] == [first.id, second.id]
+    assert listed["runs"][0]["bytes"] >= 4096 and listed["current"] == second.id
+    forgot = ctl(path, "forget", first.id[:-3], "--reason", "old target")
+    assert forgot.returncode == 0, forgot.stderr
+    assert "forgotten, 4.0 KiB freed" in forgot.stdout
+    assert not (a.paths.dataset_dir / "shard-0000").exists()
+    assert (a.paths.dataset_dir / "runs" / second.id).is_dir()  # the other run is untouched
+    assert runs.set_aside(a.paths.state_dir) == []
+    config_factory()
+    again = run_select.select(load_config(path))
+    assert again.new and again.run.id == f"{first.id}-2" and not again.run.in_place
+    text = ctl(path, "runs").stdout
+    assert "forgotten: old target" in text and f"* {again.run.id}" in text
+    with pytest.raises(ValueError, match="forgotten already"):
+        runs.forget(a.paths.state_dir, first.id, "twice")
+    assert time.time() - again.run.created < 60
+
+
+def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_factory):
+    """The dataset disk's budget counts what set-aside runs hold there: its reason names them
+    with their sizes, and once one is forgotten it is neither named nor on the disk."""
+    path = config_factory({"budget": {"reserve": "1000TiB"}})  # a budget hit from the start
+    a = load_config(path)
+    old = run_select.select(a).run
+    prepare_dirs(a)
+    (a.paths.dataset_dir / "shard-0000").mkdir()
+    (a.paths.dataset_dir / "shard-0000" / "x.safetensors").write_bytes(b"\0" * (3 << 20))
+    config_factory({"target": {"dtype": "bfloat16"}, "budget": {"reserve": "1000TiB"}})
+    daemon = Daemon(load_config(path))  # starts on the new contract: the old run set aside
+    try:
+        assert daemon.current.id != old.id and daemon.cfg.paths.dataset_dir.is_dir()
+        reason = daemon.observe().budget_pause
+        assert "the dataset file system has" in reason
+        assert f"runs set aside hold 3.0 MiB on it, reclaimable with eagle3ctl forget RUN " \
+               f"--reason TEXT: {old.id} (3.0 MiB)" in reason
+        assert ctl(path, "forget", old.id, "--reason", "done with it").returncode == 0
+        assert "set aside" not in daemon.observe().budget_pause
+        assert not (a.paths.dataset_dir / "shard-0000").exists()
+        with Ledger(layout.ledger(daemon.cfg.paths.state_dir), readonly=True) as ledger:
+            assert "done with it" in ledger.events_of(("run_forgotten",))[0][2]
+    finally:
+        daemon.ledger.close()
+
+
+def test_a_switch_to_a_new_run_that_cannot_fit_is_refused_with_the_figures(config_factory):
+    """The current run's bytes per sample times the new run's limit, against the dataset disk:
+    a switch that cannot fit is refused and the current run stays; a switch back to a run that
+    exists is always taken."""
+    path = config_factory()
+    cfg = load_config(path)
+    prepare_dirs(cfg)
+    plan(cfg, 2)
+    daemon = Daemon(load_config(path))
+    try:
+        for sample in daemon.ledger.claim(2, 10**6):
+            daemon.ledger.mark_extracted(sample.id, "x", 1 << 40, "c")  # a TiB each
+        first = daemon.current
+        edit_config(path, "target", dtype="bfloat16")
+        daemon.reload()
+        assert daemon.current == first
+        assert daemon.config_problem.startswith("reload refused, the old config stays in force: "
+                                                "the rest of the dataset is projected at 20.0 TiB")
+        edit_config(path, "target", dtype="float32")
+        daemon.reload()
+        assert daemon.config_problem is None and daemon.current.id == first.id
+    finally:
+        daemon.ledger.close()
