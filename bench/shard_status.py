@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import fill_ledger, timed_cpu, write_config  # noqa: E402
-from status import GOAL, daemon_state  # noqa: E402
+from status import daemon_state, judged  # noqa: E402
 
 from eagle3d.statemachine import layout, shards  # noqa: E402
 from eagle3d.statemachine.ledger import Ledger  # noqa: E402
@@ -80,10 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, ts in times.items():
         print(f"{name:<20} median {statistics.median(ts) * 1e3:.1f} ms")
     ratio = statistics.median(t / b for t, b in zip(times["eagle3ctl status"], base))
-    verdict = "smoke run, too small to judge" if args.quick else \
-        "met" if ratio <= GOAL else "NOT met"
     print(f"eagle3ctl status over {args.shards} shards x {samples:,} samples / python -c pass "
-          f"wall time, median of {runs} pairs: {ratio:.2f} (goal <= {GOAL}: {verdict})")
+          f"wall time, median of {runs} pairs: {judged(ratio, args.quick)}")
     return 0
 
 

@@ -123,3 +123,17 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.write_line(FIGURES.line())
         for note in FIGURES.notes:
             terminalreporter.write_line(f"  {note}")
+
+
+def shard_configs(tmp_path: Path, limit: int, shards: int = 3,
+                  sections: dict[str, dict[str, Any]] | None = None) -> list[Path]:
+    """One config per shard of one source, spool and set of roots, as the nodes of one sharded
+    extraction write them (one sample a batch: a kill lands in the middle of the extraction)."""
+    source = write_conversations(tmp_path / "conv.jsonl", limit)
+    spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:10]}"
+    return [make_config(tmp_path, {
+        "data": {"source": str(source), "format": "messages", "limit": limit, "shards": shards,
+                 "shard": i},
+        "paths": {"spool_dir": str(spool)}, "verify": {"spot_checks": 0},
+        "extract": {"batch_tokens": 256, "max_inflight_tokens": 512}, **(sections or {})},
+        name=f"shard{i}.toml") for i in range(shards)]

@@ -7,30 +7,17 @@ from __future__ import annotations
 
 import os
 import signal
-import uuid
 from pathlib import Path
 
 import pytest
 
 from eagle3d.statemachine.config import load_config
-from tests.conftest import make_config, write_conversations
+from tests.conftest import shard_configs
 from tests.pipeline import DaemonProcess, status, wait_for
 
 pytestmark = pytest.mark.slow
 
 N = 3
-
-
-def shard_configs(tmp_path: Path, limit: int) -> list[Path]:
-    source = write_conversations(tmp_path / "conv.jsonl", limit)
-    spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:10]}"
-    return [make_config(tmp_path, {
-        "data": {"source": str(source), "format": "messages", "limit": limit, "shards": N,
-                 "shard": i},
-        "paths": {"spool_dir": str(spool)}, "verify": {"spot_checks": 0},
-        # One sample a batch: the kill lands in the middle of the extraction.
-        "extract": {"batch_tokens": 256, "max_inflight_tokens": 512}},
-        name=f"shard{i}.toml") for i in range(N)]
 
 
 def test_three_shards_one_killed_and_held_back_then_one_training_of_every_sample(tmp_path):

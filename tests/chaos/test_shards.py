@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import time
-import uuid
 from pathlib import Path
 
 import psutil
@@ -19,7 +18,7 @@ from eagle3d.dataset.conversations import iter_conversations
 from eagle3d.statemachine.config import load_config
 from tests.chaos.figures import SCALE, SEED
 from tests.chaos.harness import EVAL, TRAIN, audit, counts, describe, end, kill9, until
-from tests.conftest import make_config, write_conversations
+from tests.conftest import shard_configs
 from tests.pipeline import DaemonProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(1800 * SCALE)]
@@ -27,16 +26,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos, pytest.mark.timeout(1800 * SC
 N = 3
 
 
-def shard_configs(tmp_path: Path, n: int) -> list[Path]:
-    source = write_conversations(tmp_path / "conv.jsonl", n)
-    spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:10]}"
-    return [make_config(tmp_path, {
-        "data": {"source": str(source), "format": "messages", "limit": n, "shards": N,
-                 "shard": i},
-        "paths": {"spool_dir": str(spool)}, "verify": {"spot_checks": 0},
-        "extract": {"batch_tokens": 256, "max_inflight_tokens": 512},
-        "train": dict(TRAIN, max_steps=6), "eval": dict(EVAL)}, name=f"shard{i}.toml")
-        for i in range(N)]
+def chaos_shard_configs(tmp_path: Path, n: int) -> list[Path]:
+    return shard_configs(tmp_path, n, N, {"train": dict(TRAIN, max_steps=6), "eval": dict(EVAL)})
 
 
 def planned(config: Path) -> int:
@@ -63,7 +54,7 @@ def working_for(index: int) -> list[psutil.Process]:
 def test_kill_9_across_three_shards_loses_nothing_and_trains_every_sample_once(
         tmp_path, figures):
     rng = random.Random(SEED)
-    configs = shard_configs(tmp_path, 12 * SCALE)
+    configs = chaos_shard_configs(tmp_path, 12 * SCALE)
     lives = [DaemonProcess(c) for c in configs]
     orphans = []
     try:
