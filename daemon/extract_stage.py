@@ -116,7 +116,7 @@ class ExtractStage:
         inflight = bpt * counts.tokens.get("inflight", 0)
         return (budgets.projection_pause(self.cfg, free, remaining)
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
-                or budgets.spool_pause(self.cfg, spooled, spool_disk.free,
+                or budgets.spool_pause(self.cfg, spooled + inflight, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
                 or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
                     "for space" if time.time() < self.disk_full_until else None))
@@ -145,6 +145,8 @@ class ExtractStage:
         spot check once verify is through); "stop": no stage needs the target."""
         if decision.stage == Stage.FAILED:
             return "stop"
+        if decision.stage == Stage.PAUSED:  # a pause may last: no model is loaded only to wait
+            return "keep"
         if decision.underlying == Stage.EXTRACT or (decision.underlying == Stage.VERIFY and
                                                     self.borrower.needs_engine()):
             return "start"

@@ -26,7 +26,7 @@ from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
-from eagle3d.statemachine import entry, layout, stages
+from eagle3d.statemachine import entry, layout, pointer, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
 from eagle3d.statemachine.config import (STOP_BUDGET_S, Config, ConfigError, daemon_problem,
                                           load_config, reload_problem, write_in_force)
@@ -68,6 +68,7 @@ class Daemon:
         self.until = until
         prepare_dirs(cfg)
         write_in_force(cfg)  # before any child: children start from it, never from cfg.path
+        pointer.write(cfg.path, cfg.paths.state_dir)  # eagle3ctl finds this daemon by cfg.path
         pid_dir = layout.children_dir(cfg.paths.state_dir)
         self.ledger = Ledger(layout.ledger(cfg.paths.state_dir))
         self.notifier = Notifier.from_env()
@@ -75,6 +76,7 @@ class Daemon:
         self.stopping = False
         self.reload_requested = False
         self.config_problem: str | None = None
+        self.config_problem_since: float | None = None
         self.decision: Decision | None = None
         self.stage_since = time.time()
         self.stages, self.verified_fingerprint = pipeline.build(
@@ -151,6 +153,7 @@ class Daemon:
         self.ledger.requeue_inflight("daemon stopped")
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
+        pointer.remove(self.cfg.path)
 
     # ---- the tick -----------------------------------------------------------------------------
 
@@ -196,11 +199,13 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = load_config(self.cfg.path)
-            problem = reload_problem(self.cfg, new, self.plan.conflict() is None)
+            plan = next(s for s in self.stages if s.name == Stage.PLAN.value)
+            problem = reload_problem(self.cfg, new, plan.conflict() is None)
         except ConfigError as exc:
             problem = f"the new config does not validate: {exc}"
         if problem:
             self.config_problem = f"reload refused, the old config stays in force: {problem}"
+            self.config_problem_since = time.time()
             log.error("%s", self.config_problem)
             self.ledger.event("reload_refused", problem)
         else:

@@ -290,22 +290,33 @@ def load_in_force(path: str | os.PathLike) -> Config:
     return load_config(in_force) if in_force.is_file() else cfg
 
 
-def reload_problem(old: Config, new: Config, old_fits: bool = True) -> str | None:
-    """Why a new config cannot be taken on the fly, or None. Where the config in force does not
-    fit the dataset (`old_fits` False: the daemon is blocked on it), the new one is not held
-    against it: the daemon judges it against the dataset itself, so that undoing an edit
-    needs no restart."""
+# What a reload does with a config it cannot take live (eagle3ctl check-config says which).
+NEEDS_RESTART, REFUSED = "needs a restart", "refused"
+
+
+def reload_verdict(old: Config, new: Config, old_fits: bool = True) -> tuple[str, str] | None:
+    """(NEEDS_RESTART or REFUSED, why) where a new config cannot be taken on the fly, else None.
+    Where the config in force does not fit the dataset (`old_fits` False: the daemon is blocked
+    on it), the new one is not held against it: the daemon judges it against the dataset
+    itself, so that undoing an edit needs no restart."""
     if new.paths != old.paths:
-        return ("[paths] changed: restart the daemon to switch to other folders "
-                "(systemctl restart eagle3d)")
+        return NEEDS_RESTART, ("[paths] changed: restart the daemon to switch to other folders "
+                               "(systemctl restart eagle3d)")
     a, b = old.contract_keys(), new.contract_keys()
     changed = [k for k in a if a[k] != b[k]] if old_fits else []
     if changed:
-        return (f"{', '.join(changed)} would break the dataset's capture contract; point "
-                "[paths] dataset_dir and state_dir at new folders for a new dataset")
+        return REFUSED, (f"{', '.join(changed)} would break the dataset's capture contract; point "
+                         "[paths] dataset_dir and state_dir at new folders for a new dataset")
     if new.target.engine != old.target.engine:
-        return "[target] engine changed: restart the daemon to switch engines"
-    return daemon_problem(new)
+        return NEEDS_RESTART, "[target] engine changed: restart the daemon to switch engines"
+    problem = daemon_problem(new)
+    return None if problem is None else (REFUSED, problem)
+
+
+def reload_problem(old: Config, new: Config, old_fits: bool = True) -> str | None:
+    """Why a new config cannot be taken on the fly, or None (reload_verdict's why)."""
+    verdict = reload_verdict(old, new, old_fits)
+    return None if verdict is None else verdict[1]
 
 
 def daemon_problem(cfg: Config) -> str | None:
