@@ -6,20 +6,22 @@ from __future__ import annotations
 
 import signal
 import subprocess
+from pathlib import Path
+from typing import Any
 
-import tomli_w
-import tomllib
+import numpy as np
 
 from eagle3d.daemon.ctl import (EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
                                 WAITS_FOR_OPERATOR)
+from eagle3d.daemon.reconcile import Daemon
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Stage
 from tests.conftest import venv_bin, write_conversations
-from tests.test_ctl import ctl, status, wait_for
-
-
-def edit(config, section: str, **values) -> None:
-    doc = tomllib.loads(config.read_text())
-    doc.setdefault(section, {}).update(values)
-    config.write_text(tomli_w.dumps(doc))
+from tests.test_extract_stage import FakeEngine, plan
+from tests.test_ingest import H, write
+from tests.pipeline import ctl, edit_config as edit, status, wait_for
 
 
 def test_a_budget_pause_then_a_refused_reload_under_a_running_daemon(tmp_path, config_factory):
@@ -32,7 +34,7 @@ def test_a_budget_pause_then_a_refused_reload_under_a_running_daemon(tmp_path, c
     daemon = subprocess.Popen([venv_bin("eagle3d"), "run", "-c", str(config)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        st = wait_for(lambda: (s := status(config))["stage"] == "paused" and s, what="paused")
+        st = wait_for(lambda: (s := status(config))["stage"] == "paused" and s, 120, "paused")
         assert "[budget] reserve" in st["reason"] and st["engine"]["status"] != "ready"
         shown = ctl(config, "status")
         assert shown.returncode == WAITS_FOR_OPERATOR, shown.stdout
@@ -55,7 +57,7 @@ def test_a_budget_pause_then_a_refused_reload_under_a_running_daemon(tmp_path, c
         assert "needs a restart: [paths] changed" in restart.stderr
 
         daemon.send_signal(signal.SIGHUP)
-        wait_for(lambda: status(config).get("config_problem"), what="the refusal")
+        wait_for(lambda: status(config).get("config_problem"), 60, "the refusal")
         shown = ctl(config, "status")
         assert shown.returncode == EDIT_NOT_APPLIED, shown.stdout
         assert f"running, pid {daemon.pid}" in shown.stdout
@@ -77,7 +79,6 @@ def test_check_config_refuses_a_reserve_larger_than_the_file_system(config_facto
 def test_check_config_without_a_daemon_judges_a_start(config_factory):
     """No daemon: a start applies the file, unless the dataset's contract refuses it."""
     from eagle3d.dataset import contract
-    from eagle3d.statemachine.config import load_config
     from tests.conftest import smollm_contract
     config = config_factory()
     fresh = ctl(config, "check-config")
@@ -88,3 +89,50 @@ def test_check_config_without_a_daemon_judges_a_start(config_factory):
     refused = ctl(config, "check-config")
     assert refused.returncode == RELOAD_REFUSED, refused
     assert "[target] dtype is 'float32', the contract says 'bfloat16'" in refused.stderr
+
+
+class NoisyEngine(FakeEngine):
+    """Captures the spot check's samples with a small difference, as bf16 rounding in another
+    batch would: relative error about 0.01 per token row."""
+
+    def submit(self, batch: list[dict[str, Any]], out: Path) -> None:
+        spot = out.name == layout.spot_check_dir(out.parent).name
+        ids = [item["id"] for item in batch]
+        planned = self.ledger.plan_tokens(ids)
+        for sid in ids:
+            t = len(planned[sid][0]) // 4
+            states = np.random.default_rng(0).standard_normal((t, 3 * H))
+            if spot:
+                states += 0.01 * np.random.default_rng(1).standard_normal((t, 3 * H))
+            write(out, sid, planned[sid][0], contract=self.fingerprint, values=states)
+        self._events.append({"event": "done", "ids": ids})
+
+
+def test_a_failed_spot_check_is_cleared_by_a_reloaded_tolerance(config_factory):
+    """The check names the sample, its error and the tolerance, and the key to change; a
+    reload of [verify] spot_tolerance runs it again, and it passes."""
+    config = config_factory({"verify": {"spot_checks": 2, "spot_tolerance": 0.001}})
+    cfg = load_config(config)
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    plan(cfg, 6)
+    ledger = Ledger(layout.ledger(cfg.paths.state_dir))
+    daemon = Daemon(cfg, until="train",
+                    engine_factory=lambda cfg, pid_dir, doc: NoisyEngine(doc["fingerprint"], ledger))
+    daemon.recover()
+
+    def tick_until(predicate, what: str) -> None:
+        wait_for(lambda: daemon.tick() or predicate(daemon.decision), 120, what, poll=0.05)
+    try:
+        tick_until(lambda d: d.stage == Stage.FAILED, "the spot check's failure")
+        reason = daemon.decision.reason
+        assert "spot check failed" in reason and "sample 0000" in reason, reason
+        assert "> tolerance 0.001" in reason and "[verify] spot_tolerance" in reason
+        edit(config, "verify", spot_tolerance=0.1)
+        daemon.reload()
+        assert daemon.config_problem is None
+        tick_until(lambda d: d.stage == Stage.TRAIN, "the check passed under the new tolerance")
+        assert ledger.meta("spotcheck.ok") == "1"
+    finally:
+        daemon.shutdown()
+        ledger.close()
