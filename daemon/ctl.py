@@ -229,6 +229,12 @@ def render_status(st: dict[str, Any]) -> str:
         if trainer.get("blocked"):
             parts.append(trainer["blocked"])
         lines.append("trainer   " + " · ".join(parts))
+        if trainer.get("versions"):  # drafters of other [train] settings, kept beside this one
+            kept = [f"{v['key']} " + (f"acceptance length {v['acceptance_length']:.2f}"
+                                      if v.get("acceptance_length") is not None else
+                                      "not evaluated") for v in trainer["versions"]]
+            lines.append(f"drafters  current {trainer.get('version', '?')} · kept: "
+                         + " · ".join(kept) + f" (in {Path(trainer['versions'][0]['path']).parent})")
     g = st.get("gate", {})
     if g and not (g.get("open") and st["stage"] == "failed"):  # open, but nothing goes through
         lines.append(f"gate      {g.get('describe', '?')}")

@@ -102,6 +102,12 @@ def done_file(train_dir: Path) -> Path:
     return Path(train_dir) / "done.json"
 
 
+def versions_dir(train_dir: Path) -> Path:
+    """Drafters trained with other [train] settings, one folder per settings key, each holding
+    the train folder's own files of that drafter (statemachine/train_files.py)."""
+    return Path(train_dir) / "versions"
+
+
 def export_dir(train_dir: Path) -> Path:
     """The drafter in SGLang's layout (drafter/export.py)."""
     return Path(train_dir) / "export"

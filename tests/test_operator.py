@@ -21,6 +21,7 @@ from eagle3d.statemachine.stages import Stage
 from tests.conftest import venv_bin, write_conversations
 from tests.test_extract_stage import FakeEngine, plan
 from tests.test_ingest import H, write
+from tests.test_stage_lifecycle import pipeline  # noqa: F401 (a fixture)
 from tests.pipeline import ctl, edit_config as edit, status, wait_for
 
 
@@ -136,3 +137,27 @@ def test_a_failed_spot_check_is_cleared_by_a_reloaded_tolerance(config_factory):
     finally:
         daemon.shutdown()
         ledger.close()
+
+
+def test_a_train_edit_trains_a_new_drafter_and_keeps_the_old_one(pipeline):
+    """After done, a changed [train] trains again into the train folder and keeps the first
+    drafter, with its evaluation, in versions/<its settings key>; status lists both."""
+    from eagle3d.statemachine import train_files
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, go = pipeline
+    children(trainer_runs=False)
+    go.touch()
+    tick_until(lambda: daemon.decision.stage == Stage.DONE, "the first drafter")
+    first = train_files.train_key(cfg)
+    (layout.export_dir(cfg.paths.train_dir) / "model.safetensors").write_text("first")
+    edit(cfg.path, "train", epochs=3.0)
+    daemon.reload()
+    assert daemon.cfg.train.epochs == 3.0
+    tick_until(lambda: daemon.decision.stage == Stage.DONE, "the second drafter")
+    kept = layout.versions_dir(cfg.paths.train_dir) / first
+    assert (layout.export_dir(kept) / "model.safetensors").read_text() == "first"
+    assert not (layout.export_dir(cfg.paths.train_dir) / "model.safetensors").exists()
+    assert train_files.read_eval(kept)["acceptance_length"] == 1.5
+    assert lines().count("evaluate") == 2
+    trainer = daemon.stages[-1].status()
+    assert trainer["version"] == train_files.train_key(daemon.cfg) != first
+    assert [v["key"] for v in trainer["versions"]] == [first]
