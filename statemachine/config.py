@@ -143,7 +143,7 @@ class ExtractConfig(NamedTuple):
 class VerifyConfig(NamedTuple):
     workers: int = 2
     spot_checks: int = 3
-    spot_tolerance: float = 0.02
+    spot_tolerance: float = 0.05  # docs/operations.md: how it was measured
 
 
 class TrainConfig(NamedTuple):
