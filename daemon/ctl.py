@@ -183,8 +183,12 @@ def render_status(st: dict[str, Any]) -> str:
     lines.append("samples   " + " · ".join(f"{k} {s.get(k, 0):,}" for k in ("total", *shown)) +
                  f" · skipped {s['skipped']:,}")
     rate = st.get("rate", {})
-    lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
-                 f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · ETA {_human_s(st.get('eta_s'))}")
+    if st.get("trainer", {}).get("status") == "evaluating":
+        lines.append("rate      evaluating the drafter: no rate or ETA until it ends")
+    else:
+        lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
+                     f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · "
+                     f"ETA {_human_s(st.get('eta_s'))}")
     b = st.get("bytes", {})
     disk_parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
                   for x in st.get("disk", [])[:2]]

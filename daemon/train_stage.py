@@ -45,7 +45,7 @@ def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
 
 
 def eval_argv(cfg: Config) -> list[str]:
-    return module_argv(cfg, "eagle3d.drafter.evaluate", "--json",
+    return module_argv(cfg, "eagle3d.drafter.evaluate",
                        "--out", str(layout.eval_file(cfg.paths.train_dir)))
 
 
@@ -239,8 +239,9 @@ class TrainStage:
                                                                         train_files.STARTING):
                 out["before_first_step"] = {"status": progress["status"],
                                             "since": progress.get("since")}
-        for key in ("step", "total_steps", "epoch", "loss", "acc", "tokens_per_s", "eta_s",
-                    "data_wait"):
+        # The training's rate and ETA are over once it evaluates (the evaluation has none).
+        rates = ("tokens_per_s", "eta_s", "data_wait") if self.phase != "evaluating" else ()
+        for key in ("step", "total_steps", "epoch", "loss", "acc", *rates):
             if key in progress:
                 out[key] = progress[key]
         result = train_files.read_eval(self.dir)

@@ -161,3 +161,46 @@ def test_a_train_edit_trains_a_new_drafter_and_keeps_the_old_one(pipeline):
     trainer = daemon.stages[-1].status()
     assert trainer["version"] == train_files.train_key(daemon.cfg) != first
     assert [v["key"] for v in trainer["versions"]] == [first]
+
+
+def test_help_and_the_operations_guide_list_every_exit_code(config_factory):
+    from eagle3d.daemon import ctl as ctl_module
+    shown = subprocess.run([venv_bin("eagle3ctl"), "--help"], capture_output=True, text=True,
+                           timeout=60).stdout
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
+    codes = {0, ctl_module.FAILED, ctl_module.BAD_CONFIG, ctl_module.NOT_RUNNING,
+             WAITS_FOR_OPERATOR, EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED}
+    for code in codes:
+        assert f"\n  {code}  " in shown and f"\n| {code} |" in guide, code
+    until = subprocess.run([venv_bin("eagle3d"), "run", "--help"], capture_output=True,
+                           text=True, timeout=60).stdout
+    assert "before any of its work" in " ".join(until.split())
+
+
+def test_status_of_a_failed_stage_and_of_an_evaluation(config_factory):
+    """No `gate open` beside a failed stage (nothing goes through it); an evaluation shows as
+    evaluating, not as a rate of 0 tokens/s with an ETA of 0 s."""
+    from eagle3d.statemachine.statefile import write_state
+    config = config_factory()
+    state_dir = load_config(config).paths.state_dir
+    state_dir.mkdir(parents=True)
+    gate = {"open": True, "describe": "open", "waits_for_operator": False}
+    write_state(state_dir, {"stage": "failed", "reason": "spot check failed", "gate": gate})
+    assert "gate      open" not in ctl(config, "status").stdout
+    write_state(state_dir, {"stage": "train", "reason": "training the drafter", "gate": gate,
+                            "eta_s": 0.0, "trainer": {"status": "evaluating", "step": 40,
+                                                      "total_steps": 40}})
+    shown = ctl(config, "status").stdout
+    assert "rate      evaluating the drafter" in shown and "ETA 0s" not in shown, shown
+    assert "gate      open" in shown
+
+
+def test_skipped_reasons_group_the_token_counts(tmp_path):
+    from eagle3d.statemachine.ledger import PlannedSample
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        ledger.add_planned([PlannedSample("a" * 32, 0, 10, 5, "h", b"", b"")],
+                           [(1, "over max_tokens (812 tokens)"), (2, "over max_tokens (900 tokens)"),
+                            (3, "first prompt over max_tokens (600 tokens)"), (4, "no loss tokens")],
+                           {})
+        assert ledger.skipped_reasons() == {"over max_tokens": 2, "no loss tokens": 1,
+                                            "first prompt over max_tokens": 1}
