@@ -204,3 +204,17 @@ def test_skipped_reasons_group_the_token_counts(tmp_path):
                            {})
         assert ledger.skipped_reasons() == {"over max_tokens": 2, "no loss tokens": 1,
                                             "first prompt over max_tokens": 1}
+
+
+def test_a_spool_cap_below_one_batch_pauses_extraction_with_its_key(config_factory):
+    """`spool_max = "1KiB"` used to do nothing: the spool is nearly always empty when dispatch
+    looks (ingest drains it within a tick). A cap no batch fits in pauses, naming the keys."""
+    from eagle3d.daemon.extract_stage import ExtractStage
+    cfg = load_config(config_factory({"budget": {"spool_max": "1KiB"}}))
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    plan(cfg, 4)
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        pause = ExtractStage(cfg, ledger, cfg.paths.state_dir).budget_pause(ledger.counts())
+    assert pause and "[budget] spool_max (1.0 KiB) is smaller than one batch" in pause, pause
+    assert "[extract] batch_tokens" in pause
