@@ -50,7 +50,7 @@ def daemon_pointer(config: Path) -> Path:
     finds the running daemon wherever the file's [paths] now point. In the unit's
     RuntimeDirectory (/run/eagle3d), else the user's runtime folder, else the temp folder."""
     runtime = os.environ.get("RUNTIME_DIRECTORY", "/run/eagle3d").split(":")[0]
-    if not os.access(runtime, os.W_OK):
+    if not os.path.isdir(runtime):  # the unit's, where it is installed: its readers look there
         runtime = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp",
                                f"eagle3d-{os.getuid()}")
     # Named after the config's path, as systemd-escape names units: readable, and one per file.
