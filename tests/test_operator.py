@@ -13,6 +13,7 @@ import numpy as np
 
 from eagle3d.daemon.ctl import (EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
                                 WAITS_FOR_OPERATOR)
+from eagle3d.daemon import control
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import load_config
@@ -129,6 +130,11 @@ def test_a_failed_spot_check_is_cleared_by_a_reloaded_tolerance(config_factory):
         reason = daemon.decision.reason
         assert "spot check failed" in reason and "sample 0000" in reason, reason
         assert "> tolerance 0.001" in reason and "[verify] spot_tolerance" in reason
+        # `eagle3ctl verify --full`: every sample read again, and the check run again (it
+        # fails again: the tolerance is what it was).
+        control.submit(cfg.paths.state_dir, "verify-full", {})
+        checks = lambda: len(ledger.events_of(("spotcheck",)))  # noqa: E731
+        tick_until(lambda d: checks() == 2 and d.stage == Stage.FAILED, "a second check")
         edit(config, "verify", spot_tolerance=0.1)
         daemon.reload()
         assert daemon.config_problem is None
