@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3d.statemachine import layout, pointer
-from eagle3d.statemachine.config import (Config, ConfigError, human_bytes, load_config,
-                                         load_in_force)
+from eagle3d.statemachine.config import (DERIVED, Config, ConfigError, human_bytes,
+                                         load_config, load_in_force)
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
 from eagle3d.statemachine.statefile import read_state
@@ -278,20 +278,21 @@ def changed_keys(old: Config, new: Config) -> list[str]:
     reload takes is config.reload_verdict's to say)."""
     return [f"[{section}] {key}" for section in Config._fields[1:]
             for key, value in getattr(new, section)._asdict().items()
-            if getattr(getattr(old, section), key) != value]
+            if key not in DERIVED and getattr(getattr(old, section), key) != value]
 
 
-def reload_verdict(new: Config) -> tuple[int, str]:
+def what_a_reload_does(new: Config) -> tuple[int, str]:
     """(exit code, one line) for what the daemon would do with `new`: a running daemon's
     reload, or a start, judged against the config in force and the dataset's capture contract."""
     from eagle3d.dataset import contract
-    from eagle3d.statemachine.config import NEEDS_RESTART, reload_verdict as judge
+    from eagle3d.statemachine.config import NEEDS_RESTART, reload_verdict
     from eagle3d.target.loading import fingerprint_file_or_folder
+
+    weights = functools.cache(fingerprint_file_or_folder)  # reads MiBs: once per model
 
     def contract_problem(cfg: Config) -> str | None:
         doc = contract.read(cfg.paths.dataset_dir)
-        return doc and contract.config_problem(doc, cfg, fingerprint_file_or_folder(
-            cfg.target.model_path))
+        return doc and contract.config_problem(doc, cfg, weights(cfg.target.model_path))
 
     running = pointer.read(new.path)
     in_force = Path(running["in_force"]) if running else layout.config_in_force(new.paths.state_dir)
@@ -303,7 +304,7 @@ def reload_verdict(new: Config) -> tuple[int, str]:
                    else "no daemon runs for this file: a start applies it (changed since the "
                    f"last run: {', '.join(changed_keys(load_config(in_force), new)) or 'nothing'})")
     old = load_config(in_force)
-    verdict = judge(old, new, contract_problem(old) is None)
+    verdict = reload_verdict(old, new, contract_problem(old) is None)
     # (A switch to another run, once the daemon keeps one per target, is a verdict of its own.)
     if verdict is None and problem:  # the daemon, blocked on the dataset, would stay blocked
         return RELOAD_REFUSED, f"refused: it does not fit the dataset: {problem}"
@@ -331,7 +332,7 @@ def cmd_check_config(cfg: Config) -> int:
     if slow:
         print(f"warning: {slow}")
     try:
-        code, verdict = reload_verdict(cfg)
+        code, verdict = what_a_reload_does(cfg)
     except ConfigError as exc:  # the config in force itself, edited by hand
         code, verdict = BAD_CONFIG, str(exc)
     print(verdict, file=sys.stdout if code == 0 else sys.stderr)

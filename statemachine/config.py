@@ -220,7 +220,7 @@ class Config(NamedTuple):
 # ---- the config in force ---------------------------------------------------------------------
 
 # Fields computed from others while validating: not part of what an operator writes.
-_DERIVED = ("model_path", "source_path")
+DERIVED = ("model_path", "source_path")
 # A daemon's child gets the config in force's digest with this option (entry.child_main).
 IN_FORCE_OPTION = "--in-force"
 
@@ -239,7 +239,7 @@ def to_toml(cfg: Config) -> str:
     doc: dict[str, Any] = {}
     for section in Config._fields[1:]:
         values = getattr(cfg, section)._asdict()
-        doc[section] = {k: _plain(v) for k, v in values.items() if k not in _DERIVED}
+        doc[section] = {k: _plain(v) for k, v in values.items() if k not in DERIVED}
     doc["target"]["aux_layers"] = list(cfg.target.aux_layers or ()) or "default"
     return ("# The config in force, written by the eagle3d daemon: every child starts from this\n"
             f"# file. Edit {cfg.path} instead, then reload (systemctl reload eagle3d).\n"
