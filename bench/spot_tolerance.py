@@ -91,7 +91,8 @@ def main() -> int:
                                  together / dumpformat.dump_name(j.id)) for j in batch)
         bound = precision.spot_tolerance(cfg.verify.spot_tolerance, "F8_E4M3" if dump_dtype == FP8
                                          else "BF16")
-        print(f"{dump_dtype:9s} in batches of {len(batch) // args.group} vs one of {len(batch)}: median {np.median(errs):.4f}, "
+        print(f"{dump_dtype:9s} in batches of {args.group} vs one of {len(batch)}: "
+              f"median {np.median(errs):.4f}, "
               f"max {errs[-1]:.4f} (per-sample: {' '.join(f'{e:.4f}' for e in errs)}); "
               f"the check's bound at spot_tolerance {cfg.verify.spot_tolerance}: {bound:.4f}")
         cap.close()

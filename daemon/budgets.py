@@ -59,9 +59,9 @@ def spool_pause(cfg: Config, spooled: int, free: int, one_batch: int) -> str | N
     `spooled` counts what waits there and what the engine is writing: checked before each
     dispatch, the spool alone is nearly always empty (ingest drains it within a tick)."""
     if cfg.budget.spool_max < one_batch:
-        return (f"spool budget: [budget] spool_max ({human_bytes(cfg.budget.spool_max)}) is smaller "
-                f"than one batch of dumps ({human_bytes(one_batch)}); raise spool_max or lower "
-                "[extract] batch_tokens")
+        return (f"spool budget: [budget] spool_max ({human_bytes(cfg.budget.spool_max)}) is "
+                f"smaller than one batch of dumps ({human_bytes(one_batch)}); raise spool_max or "
+                "lower [extract] batch_tokens")
     if spooled >= cfg.budget.spool_max:
         return (f"spool budget: {human_bytes(spooled)} waits in {cfg.paths.spool_dir}, the cap is "
                 f"{human_bytes(cfg.budget.spool_max)} ([budget] spool_max)")

@@ -237,8 +237,9 @@ def render_status(st: dict[str, Any]) -> str:
             kept = [f"{v['key']} " + (f"acceptance length {v['acceptance_length']:.2f}"
                                       if v.get("acceptance_length") is not None else
                                       "not evaluated") for v in trainer["versions"]]
+            folder = Path(trainer["versions"][0]["path"]).parent
             lines.append(f"drafters  current {trainer.get('version', '?')} · kept: "
-                         + " · ".join(kept) + f" (in {Path(trainer['versions'][0]['path']).parent})")
+                         + " · ".join(kept) + f" (in {folder})")
     g = st.get("gate", {})
     if g and not (g.get("open") and st["stage"] == "failed"):  # open, but nothing goes through
         lines.append(f"gate      {g.get('describe', '?')}")

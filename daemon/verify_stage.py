@@ -136,7 +136,8 @@ class SpotCheck:
         if self.ledger.meta("spotcheck.fingerprint") != fingerprint:
             return None
         ok = self.ledger.meta("spotcheck.ok") == "1"
-        if not ok and self.ledger.meta("spotcheck.tolerance") != repr(self.cfg.verify.spot_tolerance):
+        judged_at = self.ledger.meta("spotcheck.tolerance")
+        if not ok and judged_at != repr(self.cfg.verify.spot_tolerance):
             return None  # judged under another tolerance: a reloaded one checks again
         return ok, self.ledger.meta("spotcheck.detail", "")
 
