@@ -328,7 +328,8 @@ class Ledger:
         for reason, n in self.db.execute(
                 "SELECT CASE WHEN reason LIKE 'duplicate of%' THEN 'duplicate'"
                 # One key per reason, not per token count: "over max_tokens (812 tokens)".
-                " WHEN reason LIKE '%over max_tokens (%' THEN substr(reason, 1, instr(reason, ' (') - 1)"
+                " WHEN reason LIKE '%over max_tokens (%'"
+                " THEN substr(reason, 1, instr(reason, ' (') - 1)"
                 " ELSE reason END r,"
                 " count(*) FROM skipped GROUP BY r"):
             out[reason] = n

@@ -142,7 +142,8 @@ _RUNNING_ONLY = ("nproc", "nnodes", "node_rank", "rendezvous", "device", "checkp
 
 def _key(section: Any, skip: tuple[str, ...]) -> str:
     import hashlib  # lazily: eagle3ctl status never keys settings
-    values = {k: v for k, v in section._asdict().items() if k not in skip and not isinstance(v, Path)}
+    values = {k: v for k, v in section._asdict().items()
+              if k not in skip and not isinstance(v, Path)}
     return hashlib.blake2b(json.dumps(values, sort_keys=True).encode(), digest_size=4).hexdigest()
 
 

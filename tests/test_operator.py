@@ -119,8 +119,8 @@ def test_a_failed_spot_check_is_cleared_by_a_reloaded_tolerance(config_factory):
         folder.mkdir(parents=True, exist_ok=True)
     plan(cfg, 6)
     ledger = Ledger(layout.ledger(cfg.paths.state_dir))
-    daemon = Daemon(cfg, until="train",
-                    engine_factory=lambda cfg, pid_dir, doc: NoisyEngine(doc["fingerprint"], ledger))
+    daemon = Daemon(cfg, until="train", engine_factory=lambda cfg, pid_dir, doc: NoisyEngine(
+        doc["fingerprint"], ledger))
     daemon.recover()
 
     def tick_until(predicate, what: str) -> None:
@@ -205,9 +205,10 @@ def test_skipped_reasons_group_the_token_counts(tmp_path):
     from eagle3d.statemachine.ledger import PlannedSample
     with Ledger(tmp_path / "ledger.sqlite") as ledger:
         ledger.add_planned([PlannedSample("a" * 32, 0, 10, 5, "h", b"", b"")],
-                           [(1, "over max_tokens (812 tokens)"), (2, "over max_tokens (900 tokens)"),
-                            (3, "first prompt over max_tokens (600 tokens)"), (4, "no loss tokens")],
-                           {})
+                           [(1, "over max_tokens (812 tokens)"),
+                            (2, "over max_tokens (900 tokens)"),
+                            (3, "first prompt over max_tokens (600 tokens)"),
+                            (4, "no loss tokens")], {})
         assert ledger.skipped_reasons() == {"over max_tokens": 2, "no loss tokens": 1,
                                             "first prompt over max_tokens": 1}
 
