@@ -317,7 +317,8 @@ def what_a_reload_does(new: Config) -> tuple[int, str]:
     if kind == NEEDS_RESTART and problem:
         return RELOAD_REFUSED, f"refused: after a restart the daemon would refuse it: {problem}"
     code = NEEDS_RESTART_CODE if kind == NEEDS_RESTART else RELOAD_REFUSED
-    return code, f"{kind}: {why} (running daemon pid {running['pid']})"
+    return code, (f"{kind}: {why} (running daemon pid {running['pid']}; the edit changes "
+                  f"{', '.join(changed_keys(old, new))})")
 
 
 def cmd_check_config(cfg: Config) -> int:

@@ -300,8 +300,10 @@ def reload_verdict(old: Config, new: Config, old_fits: bool = True) -> tuple[str
     on it), the new one is not held against it: the daemon judges it against the dataset
     itself, so that undoing an edit needs no restart."""
     if new.paths != old.paths:
-        return NEEDS_RESTART, ("[paths] changed: restart the daemon to switch to other folders "
-                               "(systemctl restart eagle3d)")
+        moved = ", ".join(k for k in PathsConfig._fields
+                          if getattr(new.paths, k) != getattr(old.paths, k))
+        return NEEDS_RESTART, (f"[paths] {moved} changed: restart the daemon to switch to other "
+                               "folders (systemctl restart eagle3d)")
     a, b = old.contract_keys(), new.contract_keys()
     changed = [k for k in a if a[k] != b[k]] if old_fits else []
     if changed:

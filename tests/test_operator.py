@@ -56,14 +56,14 @@ def test_a_budget_pause_then_a_refused_reload_under_a_running_daemon(tmp_path, c
              dataset_dir=str(tmp_path / "dataset2"))
         restart = ctl(config, "check-config")
         assert restart.returncode == NEEDS_RESTART_CODE, restart
-        assert "needs a restart: [paths] changed" in restart.stderr
+        assert "needs a restart: [paths] state_dir, dataset_dir changed" in restart.stderr
 
         daemon.send_signal(signal.SIGHUP)
         wait_for(lambda: status(config).get("config_problem"), 60, "the refusal")
         shown = ctl(config, "status")
         assert shown.returncode == EDIT_NOT_APPLIED, shown.stdout
         assert f"running, pid {daemon.pid}" in shown.stdout
-        assert "reload refused" in shown.stdout and "[paths] changed" in shown.stdout
+        assert "reload refused" in shown.stdout and "[paths] state_dir, dataset_dir" in shown.stdout
         assert "since " in shown.stdout
     finally:
         daemon.send_signal(signal.SIGTERM)

@@ -116,7 +116,7 @@ def test_hostile_dumps_in_a_live_spool_never_reach_the_training_set(config_facto
     stop = threading.Event()
     with DaemonProcess(config, "--until", "train") as d:
         until(d, lambda: counts(cfg).get("pending") == n, 120, "the plan")
-        # Paused: no engine is loaded only to wait, and ingest keeps watching the spool.
+        # Paused: the engine loads but gets no work, and ingest keeps watching the spool.
         assert ctl(config, "pause", "--reason", "chaos: hostile dumps").returncode == 0
         f = Forger(cfg, staging)
         s = iter(x.id for x in f.samples)
