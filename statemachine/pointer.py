@@ -5,7 +5,6 @@ running daemon look gone. The file's place is layout.daemon_pointer's."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
 from pathlib import Path
@@ -34,6 +33,7 @@ def write(config: Path, state_dir: Path) -> Path | None:
             raise PermissionError(0, "the folder is not the daemon's own")
         atomic_write_bytes(path, tomli_w.dumps(doc).encode())
     except OSError as exc:
+        import logging  # the daemon's, here: eagle3ctl, which only reads, must start in a blink
         logging.getLogger("eagle3d").warning(
             "cannot write the daemon's pointer %s (%s): eagle3ctl finds this daemon only while "
             "the config's [paths] are the ones it runs with", path, exc.strerror)
