@@ -50,12 +50,19 @@ def projection_pause(cfg: Config, free: int, remaining: int) -> str | None:
     if remaining > free - cfg.budget.reserve:
         return (f"the rest of the dataset is projected at {human_bytes(remaining)}, but the dataset "
                 f"file system has {human_bytes(free)} free and {human_bytes(cfg.budget.reserve)} must stay "
-                "free; free space, lower [data] limit, or point dataset_dir elsewhere")
+                "free ([budget] reserve); free space, lower [budget] reserve or [data] limit, or "
+                "point [paths] dataset_dir elsewhere")
     return None
 
 
 def spool_pause(cfg: Config, spooled: int, free: int, one_batch: int) -> str | None:
-    """The spool's own cap, and its file system's free space (a tmpfs shared with others)."""
+    """The spool's own cap, and its file system's free space (a tmpfs shared with others).
+    `spooled` counts what waits there and what the engine is writing: checked before each
+    dispatch, the spool alone is nearly always empty (ingest drains it within a tick)."""
+    if cfg.budget.spool_max < one_batch:
+        return (f"spool budget: [budget] spool_max ({human_bytes(cfg.budget.spool_max)}) is "
+                f"smaller than one batch of dumps ({human_bytes(one_batch)}); raise spool_max or "
+                "lower [extract] batch_tokens")
     if spooled >= cfg.budget.spool_max:
         return (f"spool budget: {human_bytes(spooled)} waits in {cfg.paths.spool_dir}, the cap is "
                 f"{human_bytes(cfg.budget.spool_max)} ([budget] spool_max)")
@@ -72,3 +79,14 @@ def reclaimable(set_aside: list[tuple[Run, int]]) -> str:
     listed = ", ".join(f"{run.id} ({human_bytes(size)})" for run, size in set_aside)
     return (f"; runs set aside hold {human_bytes(sum(size for _, size in set_aside))} on it, "
             f"reclaimable with eagle3ctl forget RUN --reason TEXT: {listed}")
+
+
+def never_met(cfg: Config) -> str | None:
+    """A budget no freed space can satisfy: a reserve as large as its file system.
+    `eagle3ctl check-config` refuses it; the daemon would pause for good."""
+    dataset = disks(cfg)[0]
+    if cfg.budget.reserve >= dataset.total:
+        return (f"{cfg.path}: [budget] reserve ({human_bytes(cfg.budget.reserve)}) can never stay "
+                f"free: the dataset's file system ({dataset.path}) holds "
+                f"{human_bytes(dataset.total)} in all")
+    return None

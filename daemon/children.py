@@ -134,13 +134,17 @@ class Child:
         try:
             self.proc.wait(max(0.0, kill_at - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
-                        time.monotonic() - sent)
+            waited = time.monotonic() - sent
+            if waited >= 1.0:  # with no grace left, SIGKILL was the plan, not news
+                log.warning("%s did not stop within %.0f s of SIGTERM: killing it", self.name,
+                            waited)
         _, alive = psutil.wait_procs(tree, timeout=max(0.0, kill_at - time.monotonic()))
         self.signal(signal.SIGKILL, alive)
         code = self.proc.wait()
         self.pid_file.unlink(missing_ok=True)
-        log.info("stopped %s (pid %d): exit %d", self.name, self.proc.pid, code)
+        # Ended by the signal it was sent: the stop asked for, not a failure to report.
+        how = f"by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+        log.info("stopped %s (pid %d) %s", self.name, self.proc.pid, how)
         return code
 
 

@@ -2,7 +2,16 @@
 
 It reads state.toml and the ledger read-only, works while the daemon is down, and imports
 nothing heavy (no torch, transformers or numpy), so it answers in a blink on a loaded box.
-Exit codes follow `systemctl status`: 0 running and healthy, 1 failed, 3 not running.
+Exit codes (a monitor or a script branches on them):
+  0  status: running and healthy · check-config: valid; a reload applies it live or switches runs
+  1  status: the pipeline failed (the reason says what to do)
+  2  the config does not validate, or the command line is wrong
+  3  status: the daemon is not running
+  4  status: running, but waiting for an operator: the training gate (failed samples), or a
+     disk budget's pause (the message names the [budget] key)
+  5  status: running, but the last edit of the config was not applied (its reload was refused)
+  6  check-config: valid, but it takes a restart of the daemon (the keys are named)
+  7  check-config: valid, but the daemon would refuse it (why is named)
 """
 
 from __future__ import annotations
@@ -13,11 +22,12 @@ import os
 import sqlite3
 import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import (Config, ConfigError, human_bytes, load_config,
-                                         load_in_force)
+from eagle3d.statemachine import layout, pointer
+from eagle3d.statemachine.config import (DERIVED, Config, ConfigError, human_bytes,
+                                         load_config, load_in_force)
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
 from eagle3d.statemachine.statefile import read_state
@@ -105,6 +115,8 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["verify"] = state.get("verify")
     out["config_problem"] = state.get("config", {}).get("problem")
     out["run"] = state.get("run", {})
+    out["config_problem_since"] = state.get("config", {}).get("problem_since")
+    out["paused_by"] = state.get("paused_by")
     d = state.get("daemon", {})
     age = time.time() - d["heartbeat"] if "heartbeat" in d else None
     alive = bool(d.get("alive") and d.get("pid") and age is not None and age < HEARTBEAT_STALE_S
@@ -117,18 +129,24 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     return out
 
 
+FAILED, BAD_CONFIG, NOT_RUNNING = 1, 2, 3
 WAITS_FOR_OPERATOR = 4
+EDIT_NOT_APPLIED = 5
+NEEDS_RESTART_CODE, RELOAD_REFUSED = 6, 7
 
 
 def status_code(st: dict[str, Any]) -> int:
-    """0 running, 1 failed, 3 daemon not running, 4 running but waiting for an operator: a
-    monitoring check pages on anything but 0 (a run stuck at the training gate is not lost
-    time for nobody to notice)."""
+    """The module docstring's codes: a monitoring check pages on anything but 0 (a run stuck at
+    the training gate, or behind a budget, is not lost time for nobody to notice)."""
     if not st["daemon"]["alive"]:
-        return 3
+        return NOT_RUNNING
     if st["stage"] == "failed":
-        return 1
-    return WAITS_FOR_OPERATOR if st.get("gate", {}).get("waits_for_operator") else 0
+        return FAILED
+    if st.get("config_problem"):
+        return EDIT_NOT_APPLIED
+    if st.get("gate", {}).get("waits_for_operator") or st.get("paused_by") == "budget":
+        return WAITS_FOR_OPERATOR
+    return 0
 
 
 def render_status(st: dict[str, Any]) -> str:
@@ -145,7 +163,9 @@ def render_status(st: dict[str, Any]) -> str:
     else:
         lines.append("daemon    NOT RUNNING")
     if st.get("config_problem"):
-        lines.append(f"config    {st['config_problem']}")
+        since = st.get("config_problem_since")
+        lines.append("config    " + (f"since {time.strftime('%H:%M:%S', time.localtime(since))}: "
+                                     if since else "") + st["config_problem"])
     if st.get("run"):
         from eagle3d.daemon.ctl_runs import run_line  # only where the daemon published runs
         lines.append(run_line(st["run"]))
@@ -170,8 +190,12 @@ def render_status(st: dict[str, Any]) -> str:
     lines.append("samples   " + " · ".join(f"{k} {s.get(k, 0):,}" for k in ("total", *shown)) +
                  f" · skipped {s['skipped']:,}")
     rate = st.get("rate", {})
-    lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
-                 f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · ETA {_human_s(st.get('eta_s'))}")
+    if st.get("trainer", {}).get("status") == "evaluating":
+        lines.append("rate      evaluating the drafter: no rate or ETA until it ends")
+    else:
+        lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
+                     f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · "
+                     f"ETA {_human_s(st.get('eta_s'))}")
     b = st.get("bytes", {})
     disk_parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
                   for x in st.get("disk", [])[:2]]
@@ -216,11 +240,18 @@ def render_status(st: dict[str, Any]) -> str:
         if trainer.get("blocked"):
             parts.append(trainer["blocked"])
         lines.append("trainer   " + " · ".join(parts))
+        if trainer.get("versions"):  # drafters of other [train] settings, kept beside this one
+            kept = [f"{v['key']} " + (f"acceptance length {v['acceptance_length']:.2f}"
+                                      if v.get("acceptance_length") is not None else
+                                      "not evaluated") for v in trainer["versions"]]
+            folder = Path(trainer["versions"][0]["path"]).parent
+            lines.append(f"drafters  current {trainer.get('version', '?')} · kept: "
+                         + " · ".join(kept) + f" (in {folder})")
     if st.get("shards"):
         from eagle3d.daemon import shard_view
         lines += shard_view.render(st["shards"])
     g = st.get("gate", {})
-    if g:
+    if g and not (g.get("open") and st["stage"] == "failed"):  # open, but nothing goes through
         lines.append(f"gate      {g.get('describe', '?')}")
     for blk in st.get("blocking", []):
         lines.append(f"  failed  {blk['id']}  attempts {blk['attempts']}: {blk['error']}")
@@ -249,6 +280,89 @@ def results_summary(config_path: str) -> str:
                      f"forward (95% interval {low:.3f}-{high:.3f}) over {result.get('prompts')} "
                      f"held-out prompts ({layout.eval_file(cfg.paths.train_dir)})")
     return "\n".join(lines)
+
+
+# ---- check-config ---------------------------------------------------------------------------
+
+def changed_keys(old: Config, new: Config) -> list[str]:
+    """`[section] key` of every setting that differs, for the operator to read (which of them a
+    reload takes is config.reload_verdict's to say)."""
+    return [f"[{section}] {key}" for section in Config._fields[1:]
+            for key, value in getattr(new, section)._asdict().items()
+            if key not in DERIVED and getattr(getattr(old, section), key) != value]
+
+
+def what_a_reload_does(new: Config) -> tuple[int, str]:
+    """(exit code, one line) for what the daemon would do with `new`: a running daemon's
+    reload, or a start. A config of another capture contract is another run: a reload or a
+    start resumes the run of that contract, or starts one."""
+    from eagle3d.daemon.run_select import weights_of  # reads MiBs of weights: not status's path
+    from eagle3d.statemachine import runs
+    from eagle3d.statemachine.config import NEEDS_RESTART, reload_verdict
+
+    weights = weights_of(new)
+    registry = runs.read(new.paths.state_dir)
+    wanted = runs.find(new, weights)
+    run_words = (f"resumes run {wanted.id}" if wanted else
+                 f"starts a new run {runs.run_key(new.contract_keys(), weights)}")
+    running = pointer.read(new.path)
+    if not running:
+        from eagle3d.dataset import contract
+        # The first run lives in the configured folders: a dataset already there binds it.
+        doc = None if registry.runs else contract.read(new.paths.dataset_dir)
+        problem = doc and contract.config_problem(doc, new, weights)
+        if problem:
+            return RELOAD_REFUSED, f"refused: the daemon would not start on it: {problem}"
+        return 0, f"no daemon runs for this file: a start {run_words}"
+    old = load_config(running["in_force"])
+    # The running run, as its config in force names its folders: `new` is mapped onto them, so
+    # that only an edit of the configured roots reads as a [paths] change.
+    current = next((r for r in registry.runs.values()
+                    if r.state_dir == old.paths.state_dir), None)
+    mapped = runs.run_config(new, current) if current else new
+    verdict = reload_verdict(old, mapped)
+    if verdict is not None:
+        kind, why = verdict
+        code = NEEDS_RESTART_CODE if kind == NEEDS_RESTART else RELOAD_REFUSED
+        return code, (f"{kind}: {why} (running daemon pid {running['pid']}; the edit changes "
+                      f"{', '.join(changed_keys(old, mapped))})")
+    if current is not None and (wanted is None or wanted.id != current.id):
+        return 0, (f"switches runs on reload (systemctl reload eagle3d): sets {current.id} "
+                   f"aside and {run_words}")
+    keys = changed_keys(old, mapped)
+    return 0, ("applied live on reload (systemctl reload eagle3d): " + ", ".join(keys)
+               if keys else f"no change from the config in force ({running['in_force']})")
+
+
+def cmd_check_config(cfg: Config) -> int:
+    print(f"{cfg.path}: valid ({cfg.target.engine} engine, target {cfg.target.model}, "
+          f"{cfg.data.limit} conversations from {cfg.data.source})")
+    from eagle3d.daemon import budgets  # psutil: not on status's path
+    never = budgets.never_met(cfg)
+    if never:
+        print(f"eagle3ctl: {never}", file=sys.stderr)
+        return BAD_CONFIG
+    from eagle3d.dataset import readrate  # reads files: not on status's path
+    slow = readrate.check(cfg.paths.dataset_dir, cfg.train.nproc)
+    if slow:
+        print(f"warning: {slow}")
+    try:
+        code, verdict = what_a_reload_does(cfg)
+    except ConfigError as exc:  # the config in force itself, edited by hand
+        code, verdict = BAD_CONFIG, str(exc)
+    print(verdict, file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+def load_for_command(path: str, command: str) -> Config:
+    """check-config: the operator's file; runs and forget: its folders, under which the runs
+    live. Everything else is about what is in force: the running daemon's config in force (its
+    current run's), found by the file's path whatever its [paths] say now (an edit refused until
+    a restart must not hide the daemon), else the one its state folder's registry names."""
+    if command in ("check-config", "runs", "forget"):
+        return load_config(path)
+    running = pointer.read(Path(path))
+    return load_config(running["in_force"]) if running else load_in_force(path)
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -422,8 +536,8 @@ def _eval_args(s: argparse.ArgumentParser) -> None:
 
 
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None]] = {
-    "status": ("where the pipeline is (exit 0 healthy, 1 failed, 3 not running)", _status_args),
-    "check-config": ("validate the config file and exit", None),
+    "status": ("where the pipeline is (exit codes below)", _status_args),
+    "check-config": ("validate the config file and say what a reload would do with it", None),
     "pause": ("stop dispatching new work (in-flight work finishes)", _pause_args),
     "resume": ("undo pause", None),
     "retry": ("give failed samples (or the given ids) fresh attempts", _retry_args),
@@ -486,21 +600,12 @@ def run(argv: list[str]) -> int:
     _signal.signal(_signal.SIGPIPE, _signal.SIG_DFL)
     args = build_parser(_command_word(argv)).parse_args(argv)
     try:
-        # check-config checks the operator's file, and the runs live under its folders;
-        # everything else is about what is in force.
-        cfg = (load_config if args.command in ("check-config", "runs", "forget")
-               else load_in_force)(args.config)
+        cfg = load_for_command(args.config, args.command)
     except ConfigError as exc:
         print(f"eagle3ctl: {exc}", file=sys.stderr)
-        return 2
+        return BAD_CONFIG
     if args.command == "check-config":
-        print(f"{cfg.path}: OK ({cfg.target.engine} engine, target {cfg.target.model}, "
-              f"{cfg.data.limit} conversations from {cfg.data.source})")
-        from eagle3d.dataset import readrate  # reads files: not on status's path
-        slow = readrate.check(cfg.paths.dataset_dir, cfg.train.nproc)
-        if slow:
-            print(f"warning: {slow}")
-        return 0
+        return cmd_check_config(cfg)
     if args.command == "status":
         return cmd_status(cfg, args)
     if args.command in ("runs", "forget"):

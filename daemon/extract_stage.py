@@ -82,6 +82,7 @@ class ExtractStage:
         self.supervisor = Supervisor("[extract] engine_max_restarts",
                                      cfg.extract.engine_max_restarts)
         self.seen: Seen | None = None
+        self.budget_held: str | None = None  # the disk budget's pause, at the last observe
         self.contract: dict[str, Any] | None = None
         # Opened before anything is written, to hear of every write-back error (durability.py).
         self.group_sync = GroupSync(cfg.paths.dataset_dir)
@@ -105,7 +106,8 @@ class ExtractStage:
 
     def observe(self, seen: Seen) -> dict[str, Any]:
         self.seen = seen
-        return {"blocked": self.supervisor.fatal, "budget_pause": self.budget_pause(seen.counts)}
+        self.budget_held = self.budget_pause(seen.counts)
+        return {"blocked": self.supervisor.fatal, "budget_pause": self.budget_held}
 
     def budget_pause(self, counts: Counts) -> str | None:
         bpt = int(self.ledger.meta("plan.bytes_per_token", "0") or 0)
@@ -116,7 +118,7 @@ class ExtractStage:
         inflight = bpt * counts.tokens.get("inflight", 0)
         return (budgets.projection_pause(self.cfg, free, remaining)
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
-                or budgets.spool_pause(self.cfg, spooled, spool_disk.free,
+                or budgets.spool_pause(self.cfg, spooled + inflight, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
                 or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
                     "for space" if time.time() < self.disk_full_until else None))
@@ -145,6 +147,8 @@ class ExtractStage:
         spot check once verify is through); "stop": no stage needs the target."""
         if decision.stage == Stage.FAILED:
             return "stop"
+        if decision.stage == Stage.PAUSED and self.budget_held:
+            return "keep"  # a budget waits for a person or for space: no model loaded only to wait
         if decision.underlying == Stage.EXTRACT or (decision.underlying == Stage.VERIFY and
                                                     self.borrower.needs_engine()):
             return "start"

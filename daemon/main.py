@@ -18,7 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline daemon in the foreground")
     run.add_argument("--until", choices=ORDER,
-                     help="exit 0 once this stage is reached, non-zero if the pipeline fails")
+                     help="run until the pipeline reaches STAGE, before any of its work, then "
+                     "exit 0 (non-zero if it fails): `--until verify` stops once every sample "
+                     "is extracted, `--until train` once the dataset is verified, `--until "
+                     "done` runs everything")
     node = sub.add_parser("train-node", help="on node k > 0 of a multi-node training ([train] "
                           "node_rank), take part in node 0's trainings until stopped")
     for command in (run, node):

@@ -30,7 +30,7 @@ from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
-from eagle3d.statemachine import entry, layout, runs, stages
+from eagle3d.statemachine import entry, layout, pointer, runs, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
 from eagle3d.statemachine.config import (STOP_BUDGET_S, Config, ConfigError, daemon_problem,
                                           load_config, reload_problem, write_in_force)
@@ -80,6 +80,7 @@ class Daemon:
         self.stopping = False
         self.reload_requested = False
         self.config_problem: str | None = None
+        self.config_problem_since: float | None = None
         self.switched: str | None = None  # which run was set aside for which, for status
         self._last_ping = 0.0
         self.enter(run_select.select(cfg))
@@ -90,6 +91,8 @@ class Daemon:
         self.cfg = runs.run_config(self.root_cfg, selected.run)
         prepare_dirs(self.cfg)
         write_in_force(self.cfg)  # before any child: children start from it, never from cfg.path
+        # eagle3ctl finds this daemon, and its run, by the editable file's path.
+        pointer.write(self.cfg.path, self.cfg.paths.state_dir)
         self.ledger = Ledger(layout.ledger(self.cfg.paths.state_dir))
         self.decision: Decision | None = None
         self.stage_since = time.time()
@@ -192,6 +195,7 @@ class Daemon:
         self.ledger.requeue_inflight("daemon stopped")
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
+        pointer.remove(self.cfg.path)
 
     # ---- the tick -----------------------------------------------------------------------------
 
@@ -250,6 +254,7 @@ class Daemon:
             problem = f"the new config does not validate: {exc}"
         if problem:
             self.config_problem = f"reload refused, the old config stays in force: {problem}"
+            self.config_problem_since = time.time()
             log.error("%s", self.config_problem)
             self.ledger.event("reload_refused", problem)
         elif switch:

@@ -9,6 +9,7 @@ import time
 from typing import Any, Callable
 
 from eagle3d.daemon import control
+from eagle3d.daemon.verify_stage import forget_failed_spot_check
 from eagle3d.statemachine.ledger import Ledger
 
 
@@ -52,6 +53,7 @@ def handle(request: control.Request, ledger: Ledger, unblock: Callable[[bool], N
         return f"{ledger.exclude(ids, reason)} samples excluded: {reason}"
     if request.verb == "verify-full":
         n = ledger.unverify_all("eagle3ctl verify --full")
+        forget_failed_spot_check(ledger)
         ledger.event("verify_full", f"{n} verified samples to verify again")
         return f"{n} verified samples will be verified again"
     raise ValueError(f"unknown verb {request.verb}")

@@ -32,7 +32,8 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
         "reason": f"daemon stopped; {reason}" if final else reason,
         "since": daemon.stage_since,
         "updated": time.time(),
-        "config": {"path": str(daemon.cfg.path), "problem": daemon.config_problem},
+        "config": {"path": str(daemon.cfg.path), "problem": daemon.config_problem,
+                   "problem_since": daemon.config_problem_since if daemon.config_problem else None},
         "run": {"id": daemon.current.id, "switched": daemon.switched or "",
                 "set_aside": [{"id": run.id, "bytes": size} for run, size in daemon.set_aside]},
         "samples": {**{k: counts.get(k) for k in STATUSES},
@@ -46,6 +47,9 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
         "disk": [{"role": x.role, "path": x.path, "free": x.free, "total": x.total}
                  for x in budgets.disks(daemon.cfg)],
         **dict(statuses.values()),
+        # A budget's pause waits for a person (space, or a [budget] key); an operator's does not.
+        "paused_by": (("operator" if daemon.ledger.meta("pause") else "budget")
+                      if decision and decision.stage == stages.Stage.PAUSED else None),
         "gate": {"open": gate.open, "describe": gate.describe(),
                  "waits_for_operator": gate.waits_for_operator},
         "daemon": {"pid": os.getpid(), "started": daemon.started, "heartbeat": time.time(),

@@ -25,6 +25,9 @@ from eagle3d.statemachine.stages import Decision, Seen, Stage
 
 log = logging.getLogger("eagle3d")
 
+# The ledger's record of which [train] settings made the drafter in the train folder.
+HELD_KEY = "train.key"
+
 
 def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
     """torchrun with this node's share of the trainer's processes, reading `config_path`.
@@ -42,7 +45,7 @@ def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
 
 
 def eval_argv(cfg: Config) -> list[str]:
-    return module_argv(cfg, "eagle3d.drafter.evaluate", "--json",
+    return module_argv(cfg, "eagle3d.drafter.evaluate",
                        "--out", str(layout.eval_file(cfg.paths.train_dir)))
 
 
@@ -59,6 +62,7 @@ class TrainStage:
         self.child: Child | None = None
         self.leaving: Child | None = None  # stopping since the pipeline left train
         self.started_for = ""  # the manifest fingerprint current when the child started
+        self.started_key = ""  # the [train] settings key the child trains with
         self.phase = "idle"  # idle | training | evaluating | stopping | done | failed
         self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts)
         self.disk_probed = False  # the dataset's read rate, checked once per daemon
@@ -76,9 +80,27 @@ class TrainStage:
         return self.supervisor.fatal
 
     def observe(self, seen: Seen) -> dict[str, Any]:
-        return {"train_done": train_files.done_for(self.dir, seen.fingerprint and
-                                                   self.fingerprint()),
+        held = self.ledger.meta(HELD_KEY)
+        return {"train_done": held in (None, train_files.train_key(self.cfg)) and
+                train_files.done_for(self.dir, seen.fingerprint and self.fingerprint(),
+                                     train_files.eval_key(self.cfg)),
                 "train_failed": self.failure}
+
+    def _version(self) -> str:
+        """The [train] settings key in force; the train folder's drafter is set aside when it
+        was trained with others (and one trained with these comes back)."""
+        key = train_files.train_key(self.cfg)
+        held = self.ledger.meta(HELD_KEY)
+        if held is not None and held != key:
+            back = train_files.switch_version(self.dir, held, key)
+            detail = (f"[train] settings {key} differ from the drafter's ({held}): it is kept in "
+                      f"{layout.versions_dir(self.dir) / held}; " + (
+                          f"the drafter of {key} is back" if back else f"training {key}"))
+            log.info("%s", detail)
+            self.ledger.event("train_version", detail)
+        if held != key:
+            self.ledger.set_meta(HELD_KEY, key)
+        return key
 
     def step(self, decision: Decision) -> None:
         """One idempotent step towards a trained, exported and evaluated drafter."""
@@ -93,6 +115,9 @@ class TrainStage:
         if decision.stage != Stage.TRAIN:
             return
         fingerprint = self.fingerprint()
+        if self.child is not None and self.started_key != train_files.train_key(self.cfg):
+            self._leave(decision)  # a reload changed what the trainer would make: start over
+            return
         if self.child is not None:
             code = self.child.poll()
             if code is not None:
@@ -102,6 +127,7 @@ class TrainStage:
             return
         self.started_for = fingerprint
         self.dir.mkdir(parents=True, exist_ok=True, mode=0o750)
+        self.started_key = self._version()
         if train_files.trained_for(self.dir, fingerprint):
             self.phase = "evaluating"
             layout.eval_file(self.dir).unlink(missing_ok=True)  # only this result counts
@@ -156,10 +182,12 @@ class TrainStage:
                 log.warning("evaluation: speculative decoding did not reproduce greedy decoding "
                             "exactly (see %s)", layout.eval_file(self.dir))
                 self.ledger.event("eval_not_greedy", f"see {layout.eval_file(self.dir)}")
-            train_files.write_done(self.dir, fingerprint, result)
+            train_files.write_done(self.dir, fingerprint, result, self.started_key,
+                                   train_files.eval_key(self.cfg))
             self.phase = "done"
-            log.info("drafter done: acceptance length %s", result.get("acceptance_length"))
-            self.ledger.event("drafter_done", f"acceptance length {result.get('acceptance_length')}")
+            said = f"acceptance length {result.get('acceptance_length', 0):.3f}"
+            log.info("drafter %s done: %s", self.started_key, said)
+            self.ledger.event("drafter_done", f"{self.started_key}: {said}")
             return
         if code == entry.OK and name == "trainer":
             return  # trained and exported: the next step evaluates
@@ -212,13 +240,16 @@ class TrainStage:
                                                                         train_files.STARTING):
                 out["before_first_step"] = {"status": progress["status"],
                                             "since": progress.get("since")}
-        for key in ("step", "total_steps", "epoch", "loss", "acc", "tokens_per_s", "eta_s",
-                    "data_wait"):
+        # The training's rate and ETA are over once it evaluates (the evaluation has none).
+        rates = ("tokens_per_s", "eta_s", "data_wait") if self.phase != "evaluating" else ()
+        for key in ("step", "total_steps", "epoch", "loss", "acc", *rates):
             if key in progress:
                 out[key] = progress[key]
         result = train_files.read_eval(self.dir)
         if result is not None:
             out["acceptance_length"] = result["acceptance_length"]
+        out["version"] = self.ledger.meta(HELD_KEY) or train_files.train_key(self.cfg)
+        out["versions"] = train_files.versions(self.dir)
         return out
 
     def stop(self, deadline: float) -> None:

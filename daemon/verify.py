@@ -318,8 +318,10 @@ def compare_dumps(stored: Path, fresh: Path, tolerance: float) -> str | None:
     try:
         with open(stored, "rb", buffering=0, opener=_no_follow) as fa, \
                 open(fresh, "rb", buffering=0, opener=_no_follow) as fb:
-            return _compare_tensors(fa.fileno(), a, fb.fileno(), b,
-                                    precision.spot_tolerance(tolerance, a.dtype))
+            bound = precision.spot_tolerance(tolerance, a.dtype)
+            problem = _compare_tensors(fa.fileno(), a, fb.fileno(), b, bound)
+            return problem and (problem if bound == tolerance else f"{problem} (fp8 dumps' bound "
+                                f"at [verify] spot_tolerance = {tolerance:g})")
     except (OSError, DumpError) as exc:
         return f"cannot read a dump to compare: {exc}"
 

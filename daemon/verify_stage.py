@@ -111,6 +111,13 @@ class VerifyRunner:
         return self.bytes_done / elapsed if self.running and elapsed > 0 else 0.0
 
 
+def forget_failed_spot_check(ledger: Ledger) -> None:
+    """`eagle3ctl verify --full` or `retry --failed`: a failed spot check runs again (a passed
+    one stands for its verified set)."""
+    if ledger.meta("spotcheck.ok") == "0":
+        ledger.clear_meta("spotcheck.fingerprint")
+
+
 class SpotCheck:
     """Re-extract a few verified samples with the engine and compare with the dataset."""
 
@@ -128,7 +135,12 @@ class SpotCheck:
             return True, "spot checks disabled ([verify] spot_checks = 0)"
         if self.ledger.meta("spotcheck.fingerprint") != fingerprint:
             return None
-        return self.ledger.meta("spotcheck.ok") == "1", self.ledger.meta("spotcheck.detail", "")
+        ok = self.ledger.meta("spotcheck.ok") == "1"
+        judged_at = self.ledger.meta("spotcheck.tolerance")
+        if not ok and judged_at != repr(self.cfg.verify.spot_tolerance):
+            return None  # judged under another tolerance: a reloaded one checks again
+        return ok, self.ledger.meta("spotcheck.detail", "")
+
 
     @property
     def waiting(self) -> bool:
@@ -168,7 +180,7 @@ class SpotCheck:
             problem = compare_dumps(self.cfg.paths.dataset_dir / s.path, path,
                                     self.cfg.verify.spot_tolerance)
             if problem:
-                problems.append(f"{s.id}: {problem}")
+                problems.append(f"sample {s.id} (source index {s.idx}): {problem}")
         self._record(not problems, "; ".join(problems) or f"{len(fresh)} samples match")
 
     def _record(self, ok: bool, detail: str) -> None:
@@ -176,6 +188,7 @@ class SpotCheck:
             self.ledger.set_meta("spotcheck.fingerprint", self.fingerprint or "", db)
             self.ledger.set_meta("spotcheck.ok", "1" if ok else "0", db)
             self.ledger.set_meta("spotcheck.detail", detail, db)
+            self.ledger.set_meta("spotcheck.tolerance", repr(self.cfg.verify.spot_tolerance), db)
             self.ledger.event("spotcheck", ("passed: " if ok else "FAILED: ") + detail, None, db)
         (log.info if ok else log.error)("spot check %s: %s", "passed" if ok else "FAILED", detail)
         shutil.rmtree(self.folder, ignore_errors=True)
@@ -293,8 +306,9 @@ class VerifyStage:
                 "blocked": None}
 
     def unblock(self, all_failed: bool) -> None:
-        """Nothing of its own stops it: a failed spot check fails the pipeline until the
-        operator points it at a new dataset."""
+        """`retry --failed` retries a failed spot check too."""
+        if all_failed:
+            forget_failed_spot_check(self.ledger)
 
     def stop(self, deadline: float) -> None:
         """A pass in flight is a thread that marks each sample in its own transaction: the

@@ -643,7 +643,11 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
                   prompts_asked=prompts.asked, prompts_skipped=prompts.skipped)
     if args.out:
         train_files.write_eval(args.out, report)
-    print(json.dumps(report) if args.json else _summary(report, prompts.asked, prompts.skipped))
+    summary = _summary(report, prompts.asked, prompts.skipped)
+    if args.json:
+        print(json.dumps(report))
+    else:  # with --out (the daemon's evaluation), one line for its log: the rest is in the file
+        print(f"{summary.splitlines()[0]}; the whole report: {args.out}" if args.out else summary)
     return OK if report["identical_to_greedy"] else DIVERGED
 
 

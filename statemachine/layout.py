@@ -7,6 +7,7 @@ files asks here for its path; the formats are owned by the modules named beside 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 # ---- the state folder ---------------------------------------------------------------------------
@@ -41,6 +42,20 @@ def control_dir(state_dir: Path) -> Path:
 def spot_check_dir(state_dir: Path) -> Path:
     """Fresh dumps of the numerical spot check (daemon/verify_stage.py)."""
     return Path(state_dir) / "spotcheck"
+
+
+def daemon_pointer(config: Path) -> Path:
+    """Where the daemon started with this (editable) config says which daemon it is and what it
+    holds (statemachine/pointer.py): fixed by the config's path alone, so that `eagle3ctl status`
+    finds the running daemon wherever the file's [paths] now point. In the unit's
+    RuntimeDirectory (/run/eagle3d), else the user's runtime folder, else the temp folder."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "/run/eagle3d").split(":")[0]
+    if not os.path.isdir(runtime):  # the unit's, where it is installed: its readers look there
+        runtime = os.path.join(os.environ.get("XDG_RUNTIME_DIR") or "/tmp",
+                               f"eagle3d-{os.getuid()}")
+    # Named after the config's path, as systemd-escape names units: readable, and one per file.
+    key = str(Path(config).resolve()).strip("/").replace("-", "--").replace("/", "-")
+    return Path(runtime) / f"daemon-{key}"
 
 
 # ---- the spool ----------------------------------------------------------------------------------
@@ -91,6 +106,12 @@ def refusal_file(train_dir: Path) -> Path:
 def done_file(train_dir: Path) -> Path:
     """The marker tying the drafter to the manifest it was trained on (train_files.py)."""
     return Path(train_dir) / "done.json"
+
+
+def versions_dir(train_dir: Path) -> Path:
+    """Drafters trained with other [train] settings, one folder per settings key, each holding
+    the train folder's own files of that drafter (statemachine/train_files.py)."""
+    return Path(train_dir) / "versions"
 
 
 def export_dir(train_dir: Path) -> Path:

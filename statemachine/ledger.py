@@ -326,7 +326,11 @@ class Ledger:
     def skipped_reasons(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for reason, n in self.db.execute(
-                "SELECT CASE WHEN reason LIKE 'duplicate of%' THEN 'duplicate' ELSE reason END r,"
+                "SELECT CASE WHEN reason LIKE 'duplicate of%' THEN 'duplicate'"
+                # One key per reason, not per token count: "over max_tokens (812 tokens)".
+                " WHEN reason LIKE '%over max_tokens (%'"
+                " THEN substr(reason, 1, instr(reason, ' (') - 1)"
+                " ELSE reason END r,"
                 " count(*) FROM skipped GROUP BY r"):
             out[reason] = n
         return out

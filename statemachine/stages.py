@@ -96,7 +96,12 @@ def _work_stage(f: Facts) -> tuple[Stage, str]:
                                   "--failed) or exclude them with a reason (eagle3ctl exclude)")
         return Stage.FAILED, "every sample is excluded: nothing to train on"
     if f.spot_check_failed:
-        return Stage.FAILED, f"spot check failed, the capture itself is wrong: {f.spot_check_failed}"
+        return Stage.FAILED, (
+            f"spot check failed, a fresh capture differs from the dataset: {f.spot_check_failed}. "
+            "Where only the batch around the sample differs (bf16 rounding), raise [verify] "
+            "spot_tolerance and reload: the check runs again (so does `eagle3ctl verify --full` "
+            "or `retry --failed`); [verify] spot_checks = 0 skips it. A capture that is really "
+            "wrong needs new [paths] dataset_dir and state_dir")
     if not f.verify_complete:
         return Stage.VERIFY, "writing the dataset manifest"
     if f.trains_elsewhere:

@@ -116,9 +116,11 @@ def read_eval(train_dir: Path) -> dict[str, Any] | None:
     return result if result and "acceptance_length" in result else None
 
 
-def write_done(train_dir: Path, fingerprint: str, result: dict[str, Any]) -> None:
+def write_done(train_dir: Path, fingerprint: str, result: dict[str, Any], train_key: str,
+               eval_key: str) -> None:
     _write(layout.done_file(train_dir), {
         "manifest_fingerprint": fingerprint, "export": str(layout.export_dir(train_dir)),
+        "train_key": train_key, "eval_key": eval_key,
         "acceptance_length": result.get("acceptance_length"),
         "identical_to_greedy": result.get("identical_to_greedy"), "finished": time.time()})
 
@@ -128,7 +130,70 @@ def read_done(train_dir: Path) -> dict[str, Any] | None:
     return _read(layout.done_file(train_dir))
 
 
-def done_for(train_dir: Path, fingerprint: str | None) -> bool:
-    """The drafter of this manifest is trained, exported and evaluated."""
+def done_for(train_dir: Path, fingerprint: str | None, eval_key: str) -> bool:
+    """The drafter of this manifest is trained, exported and evaluated with these [eval]
+    settings (a marker written before they were recorded stands for any)."""
     done = read_done(train_dir)
-    return bool(done and fingerprint and done.get("manifest_fingerprint") == fingerprint)
+    return bool(done and fingerprint and done.get("manifest_fingerprint") == fingerprint
+                and done.get("eval_key", eval_key) == eval_key)
+
+
+# ---- drafter versions: one per [train] settings key -----------------------------------------
+
+# [train] settings that say where or how fast training runs, not what drafter it makes.
+_RUNNING_ONLY = ("nproc", "nnodes", "node_rank", "rendezvous", "device", "checkpoint_every",
+                 "max_restarts", "stop_grace_s", "threads")
+
+
+def _key(section: Any, skip: tuple[str, ...]) -> str:
+    import hashlib  # lazily: eagle3ctl status never keys settings
+    values = {k: v for k, v in section._asdict().items()
+              if k not in skip and not isinstance(v, Path)}
+    return hashlib.blake2b(json.dumps(values, sort_keys=True).encode(), digest_size=4).hexdigest()
+
+
+def train_key(cfg: Any) -> str:
+    """The short key of the [train] settings that shape the drafter: a change trains another."""
+    return _key(cfg.train, _RUNNING_ONLY)
+
+
+def eval_key(cfg: Any) -> str:
+    """The key of the [eval] settings that shape the measurement: a change evaluates again."""
+    return _key(cfg.eval, ("batch_size",))
+
+
+def _version_parts(train_dir: Path) -> list[Path]:
+    """The train folder's files that belong to one drafter (the compile cache is shared)."""
+    return [f(train_dir) for f in (layout.progress_file, layout.eval_file, layout.done_file,
+                                   layout.refusal_file, layout.export_dir, layout.checkpoint_dir,
+                                   layout.metrics_file, layout.metrics_plot, layout.vocab_file)]
+
+
+def switch_version(train_dir: Path, held: str, wanted: str) -> bool:
+    """Set the drafter of settings `held` aside in its version folder, never over anything, and
+    bring back the one of `wanted` where there is one (True: it was there)."""
+    import os
+    aside = layout.versions_dir(train_dir) / held
+    aside.mkdir(parents=True, exist_ok=True)
+    for part in _version_parts(Path(train_dir)):
+        if part.exists() and not (aside / part.name).exists():
+            os.replace(part, aside / part.name)
+    back = layout.versions_dir(train_dir) / wanted
+    if not back.is_dir():
+        return False
+    for part in _version_parts(Path(train_dir)):
+        if (back / part.name).exists():
+            os.replace(back / part.name, part)
+    back.rmdir()
+    return True
+
+
+def versions(train_dir: Path) -> list[dict[str, Any]]:
+    """The drafters set aside: key, acceptance length (None where never evaluated), folder."""
+    try:
+        folders = sorted(layout.versions_dir(train_dir).iterdir())
+    except OSError:
+        return []
+    return [{"key": f.name, "path": str(f),
+             "acceptance_length": (read_eval(f) or {}).get("acceptance_length")}
+            for f in folders if f.is_dir()]

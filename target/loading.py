@@ -108,6 +108,8 @@ def load_model(model_path: Path, dtype: str, device: str) -> Any:
     where, kw = _source(model_path)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     import transformers
+    # Its weight-loading progress bar is noise in a journal, and in `eagle3ctl eval`'s answer.
+    transformers.utils.logging.disable_progress_bar()
     # transformers renamed `torch_dtype` to `dtype` in 4.56; GPU images often carry older ones.
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"

@@ -151,7 +151,7 @@ def test_a_reload_takes_contract_edits_and_refuses_path_edits(config_factory):
     assert reload_problem(running, edited({}, "float8_e4m3fn")) is None
     elsewhere = {"dataset_dir": str(running.paths.dataset_dir) + "-2"}
     assert reload_problem(running, edited(elsewhere, "float8_e4m3fn")).startswith(
-        "[paths] changed: restart the daemon")
+        "[paths] dataset_dir changed: restart the daemon")
 
 
 def test_hub_names_resolve_to_their_cached_snapshot_or_are_refused(config_factory, tmp_path,

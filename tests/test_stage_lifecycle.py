@@ -144,7 +144,7 @@ def test_an_exclude_during_the_evaluation_trains_again_before_done(pipeline):
     assert after != before and excluded not in json.dumps(manifest.read(cfg.paths.dataset_dir))
     assert [line for line in lines() if line.startswith("train")] == \
         [f"train {before}", f"train {after}"]
-    assert train_files.done_for(cfg.paths.train_dir, after)
+    assert train_files.done_for(cfg.paths.train_dir, after, train_files.eval_key(cfg))
 
 
 def test_the_spot_checks_engine_waits_for_the_trainers_checkpoint(pipeline):

@@ -201,7 +201,7 @@ def test_an_evaluation_that_ends_after_the_manifest_changed_is_not_done(stage):
     current[0] = "e" * 32  # an exclude rewrote the manifest
     wait_for(lambda: stage.step(TRAIN) or stage.child is None, 30, "the evaluation's exit")
     assert not stage.observe(Seen(None, current[0]))["train_done"]
-    assert not train_files.done_for(train_dir, FINGERPRINT)
+    assert not train_files.done_for(train_dir, FINGERPRINT, train_files.eval_key(stage.cfg))
     assert [kind for _, kind, _ in stage.ledger.events_of(("train_stale", "drafter_done"))] == \
         ["train_stale"]
     stage.step(TRAIN)
