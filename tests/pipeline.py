@@ -129,3 +129,11 @@ def edit_config(config: Path, section: str, **values: Any) -> None:
     doc = tomllib.loads(config.read_text())
     doc.setdefault(section, {}).update(values)
     atomic_write_bytes(config, tomli_w.dumps(doc).encode())
+
+
+def stop_cleanly(daemon: subprocess.Popen, config: Path) -> None:
+    """SIGTERM, as systemctl stop sends it: the daemon exits 0 and status then says not running."""
+    daemon.send_signal(signal.SIGTERM)
+    out, _ = daemon.communicate(timeout=120)
+    assert daemon.returncode == 0, out
+    assert ctl(config, "status").returncode == 3

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ from pathlib import Path
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.statefile import write_state
 from tests.conftest import venv_bin, write_conversations
+from tests.pipeline import stop_cleanly
 
 
 def ctl(config: Path, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -154,10 +154,7 @@ def test_control_requests_against_a_running_daemon(tmp_path, config_factory):
         events = ctl(config, "events").stdout
         assert "paused" in events and "resumed" in events
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        out, _ = daemon.communicate(timeout=120)
-    assert daemon.returncode == 0, out
-    assert ctl(config, "status").returncode == 3
+        stop_cleanly(daemon, config)
 
 
 def test_engine_command_names_each_process_that_runs_the_target(config_factory):

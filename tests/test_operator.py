@@ -23,7 +23,7 @@ from tests.conftest import venv_bin, write_conversations
 from tests.test_extract_stage import FakeEngine, plan
 from tests.test_ingest import H, write
 from tests.test_stage_lifecycle import pipeline  # noqa: F401 (a fixture)
-from tests.pipeline import ctl, edit_config as edit, status, wait_for
+from tests.pipeline import ctl, edit_config as edit, status, stop_cleanly, wait_for
 
 
 def test_a_budget_pause_then_a_refused_reload_under_a_running_daemon(tmp_path, config_factory):
@@ -71,10 +71,7 @@ def test_a_budget_pause_then_a_refused_reload_under_a_running_daemon(tmp_path, c
         assert "reload refused" in shown.stdout and "[paths] state_dir, dataset_dir" in shown.stdout
         assert "since " in shown.stdout
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        out, _ = daemon.communicate(timeout=120)
-    assert daemon.returncode == 0, out
-    assert ctl(config, "status").returncode == 3
+        stop_cleanly(daemon, config)
 
 
 def test_check_config_refuses_a_reserve_larger_than_the_file_system(config_factory):
