@@ -24,7 +24,7 @@ from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskFull, Ingestor
 from eagle3d.daemon.spool import Spool
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import layout, plan_meta
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage
@@ -110,7 +110,7 @@ class ExtractStage:
         return {"blocked": self.supervisor.fatal, "budget_pause": self.budget_held}
 
     def budget_pause(self, counts: Counts) -> str | None:
-        bpt = int(self.ledger.meta("plan.bytes_per_token", "0") or 0)
+        bpt = plan_meta.read(self.ledger).bytes_per_token
         dataset_disk, spool_disk = budgets.disks(self.cfg)[:2]
         free = dataset_disk.free
         remaining = bpt * (counts.tokens.get("pending", 0) + counts.tokens.get("inflight", 0))

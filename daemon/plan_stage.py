@@ -15,7 +15,7 @@ from typing import Any
 
 from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
 from eagle3d.dataset import contract as capture_contract
-from eagle3d.statemachine import entry
+from eagle3d.statemachine import entry, plan_meta
 from eagle3d.statemachine.config import PLANNER_STOP_GRACE_S, Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage
@@ -51,12 +51,10 @@ class PlanStage:
         self._judged: tuple[Config, str | None] | None = None
 
     def complete(self) -> bool:
-        meta = self.ledger.meta
-        through = meta("plan.through")
-        if through is None or self.conflict() is not None or meta("plan.source") is None:
+        plan = plan_meta.read(self.ledger)
+        if plan.through is None or plan.source is None or self.conflict() is not None:
             return False
-        return int(through) >= self.cfg.data.first + self.cfg.data.limit - 1 or \
-            meta("plan.exhausted") == "1"
+        return plan.through >= self.cfg.data.first + self.cfg.data.limit - 1 or plan.exhausted
 
     def conflict(self) -> str | None:
         """A config that does not fit this dataset: its capture contract or its data slice."""
@@ -78,19 +76,14 @@ class PlanStage:
 
     def data_conflict(self) -> str | None:
         """A config whose data slice no longer matches what this ledger was planned from."""
-        meta = self.ledger.meta
-        if meta("plan.source") is None:
+        plan = plan_meta.read(self.ledger)
+        if plan.source is None:
             return None
-        data = self.cfg.data
-        changed = [k for k, v in (("source", data.source), ("first", str(data.first)),
-                                  ("max_tokens", str(data.max_tokens)),
-                                  ("responses", data.responses))
-                   # A ledger planned before [data] responses existed has dataset answers.
-                   if (meta(f"plan.{k}") or ("dataset" if k == "responses" else None)) != v]
+        changed = [k for k in plan_meta.SLICE if getattr(plan, k) != getattr(self.cfg.data, k)]
         if not changed:
             return None
         return (f"[data] {', '.join(changed)} changed since this dataset was planned "
-                f"(was {', '.join(str(meta('plan.' + k)) for k in changed)}); put them back "
+                f"(was {', '.join(str(getattr(plan, k)) for k in changed)}); put them back "
                 "and reload: a reload of a new data slice switches to its own run")
 
     def observe(self, seen: Seen) -> dict[str, Any]:

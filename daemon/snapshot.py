@@ -7,7 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from eagle3d.daemon import budgets
-from eagle3d.statemachine import stages
+from eagle3d.statemachine import plan_meta, stages
 from eagle3d.statemachine.ledger import STATUSES
 
 if TYPE_CHECKING:
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
     counts = daemon.ledger.counts()
     decision = daemon.decision
-    bytes_per_token = int(daemon.ledger.meta("plan.bytes_per_token", "0") or 0)
+    bytes_per_token = plan_meta.read(daemon.ledger).bytes_per_token
     stage = decision.underlying.value if decision else "plan"
     reason = decision.reason if decision else ""
     statuses = {s.name: (s.state_key, s.status()) for s in daemon.stages}
