@@ -175,10 +175,10 @@ def one_too_many(tree: Tree, greedy_next: list[int]) -> list[int]:
 def test_tree_drafting_decodes_as_plain_greedy_and_a_wrong_verification_is_caught(echo):
     target, eos, prompts, drafter, vocab = echo
     sglang_default = Drafting(steps=5, topk=4, num_draft_tokens=8)  # SGLang's for Llama
-    report = evaluate(target, drafter, vocab, [2, 15, 29], prompts, sglang_default, 40, eos,
+    report = evaluate(target, drafter, vocab, [2, 15, 29], prompts, sglang_default, 24, eos,
                       batch_size=3, categories=["repeats", "prose", "repeats"])
     assert report["identical_to_greedy"] is True
-    chain = evaluate(target, drafter, vocab, [2, 15, 29], prompts, Drafting(5, 1, 6), 40, eos,
+    chain = evaluate(target, drafter, vocab, [2, 15, 29], prompts, Drafting(5, 1, 6), 24, eos,
                      batch_size=3)
     # The tree holds the chain's path, and more beside it.
     assert report["acceptance_length"] >= chain["acceptance_length"] > 1
@@ -187,9 +187,9 @@ def test_tree_drafting_decodes_as_plain_greedy_and_a_wrong_verification_is_caugh
     caught = 0
     with LayerTap(decoder_of(target), [2, 15, 29]) as tap:
         for prompt in prompts:
-            wrong = tree_speculative(target, tap, drafter, vocab, prompt, sglang_default, 40,
+            wrong = tree_speculative(target, tap, drafter, vocab, prompt, sglang_default, 24,
                                      eos, verify=one_too_many)
-            same, _ = is_greedy(target, prompt, wrong.tokens, 40, eos,
+            same, _ = is_greedy(target, prompt, wrong.tokens, 24, eos,
                                 read_answer(target, tap, prompt, wrong.tokens).choices)
             caught += not same
     assert caught == len(prompts)
