@@ -117,7 +117,11 @@ class Child:
     def stopped(self) -> bool:
         """Whether a stop begun by `terminate` is over (ended at its grace's end if need be)."""
         assert self._stopping is not None
-        if self.proc.poll() is None and time.monotonic() < self._stopping[2]:
+        tree, _, kill_at = self._stopping
+        # Until the grace ends the whole tree may finish: torchrun can exit before its ranks
+        # have written their checkpoint, and they must not be killed for that.
+        running = self.proc.poll() is None or any(_alive(p) for p in tree)
+        if running and time.monotonic() < kill_at:
             return False
         self.stop(0.0)
         return True
@@ -146,6 +150,14 @@ class Child:
         how = f"by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
         log.info("stopped %s (pid %d) %s", self.name, self.proc.pid, how)
         return code
+
+
+def _alive(process: psutil.Process) -> bool:
+    """Still at work: a zombie (an orphan its new parent has not reaped yet) is done."""
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 BACKOFF_MAX_S = 60.0
