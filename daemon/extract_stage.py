@@ -190,8 +190,12 @@ class ExtractStage:
         self.ledger.event("engine_exit", f"code {code}, {len(held)} in-flight samples returned")
         log.warning("the engine exited with code %s; %d in-flight samples returned", code,
                     len(held))
-        self.supervisor.exited(code, f"the engine cannot capture: {refused}" if refused else
-                               f"the engine exited with code {code}", final=bool(refused))
+        fatal = self.supervisor.exited(code, f"the engine cannot capture: {refused}" if refused
+                                       else f"the engine exited with code {code}",
+                                       final=bool(refused))
+        if fatal is not None:  # recorded as the generate and train stages record theirs
+            log.error("the extract stage stopped: %s", fatal)
+            self.ledger.event("extract_failed", fatal)
 
     def _engine_events(self) -> None:
         if self.engine is None:
