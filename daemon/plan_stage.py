@@ -14,12 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
+from eagle3d.daemon.run_select import weights_of
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import entry, plan_meta
 from eagle3d.statemachine.config import PLANNER_STOP_GRACE_S, Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage
-from eagle3d.target import loading
 
 log = logging.getLogger("eagle3d")
 
@@ -49,16 +49,13 @@ class PlanStage:
         # The config last judged against the capture contract, and the verdict: weighing the
         # target's weights reads a few MiB of each weight file, once per config in force.
         self._judged: tuple[Config, str | None] | None = None
+        self._conflict: str | None = None  # the config against the dataset, as last observed
 
-    def complete(self) -> bool:
-        plan = plan_meta.read(self.ledger)
-        if plan.through is None or plan.source is None or self.conflict() is not None:
+    def complete(self, plan: plan_meta.PlanMeta) -> bool:
+        """The slice the config asks for is planned, into a ledger the config fits."""
+        if plan.through is None or plan.source is None or self._conflict is not None:
             return False
         return plan.through >= self.cfg.data.first + self.cfg.data.limit - 1 or plan.exhausted
-
-    def conflict(self) -> str | None:
-        """A config that does not fit this dataset: its capture contract or its data slice."""
-        return self.contract_conflict() or self.data_conflict()
 
     def contract_conflict(self) -> str | None:
         """The config in force against the dataset's capture contract, once there is one (the
@@ -67,16 +64,15 @@ class PlanStage:
             doc = capture_contract.read(self.cfg.paths.dataset_dir)
             if doc is None:
                 return None
-            weights = loading.fingerprint_file_or_folder(self.cfg.target.model_path)
-            self._judged = (self.cfg, capture_contract.config_problem(doc, self.cfg, weights))
+            self._judged = (self.cfg, capture_contract.config_problem(doc, self.cfg,
+                                                                      weights_of(self.cfg)))
             if self._judged[1]:
                 log.error("%s", self._judged[1])
                 self.ledger.event("contract_mismatch", self._judged[1])
         return self._judged[1]
 
-    def data_conflict(self) -> str | None:
+    def data_conflict(self, plan: plan_meta.PlanMeta) -> str | None:
         """A config whose data slice no longer matches what this ledger was planned from."""
-        plan = plan_meta.read(self.ledger)
         if plan.source is None:
             return None
         changed = [k for k in plan_meta.SLICE if getattr(plan, k) != getattr(self.cfg.data, k)]
@@ -87,11 +83,15 @@ class PlanStage:
                 "and reload: a reload of a new data slice switches to its own run")
 
     def observe(self, seen: Seen) -> dict[str, Any]:
-        return {"plan_complete": self.complete(), "blocked": self.blocked}
+        # The plan is read once a tick: the config against the dataset (its contract, its
+        # slice), then how far the plan got.
+        plan = plan_meta.read(self.ledger)
+        self._conflict = self.contract_conflict() or self.data_conflict(plan)
+        return {"plan_complete": self.complete(plan), "blocked": self.blocked}
 
     @property
     def blocked(self) -> str | None:
-        return self.supervisor.fatal or self.conflict()
+        return self.supervisor.fatal or self._conflict
 
     def step(self, decision: Decision) -> None:
         """Start the planner when the plan is wanted; reap it whenever it exits."""
