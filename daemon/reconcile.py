@@ -189,13 +189,17 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping (within %.0f s)", STOP_BUDGET_S)
         self.stopping = True
-        # Last stage first: the trainer's checkpoint is never squeezed by the ingest's wait.
-        for stage in reversed(self.stages):
-            stage.stop(deadline)
-        self.ledger.requeue_inflight("daemon stopped")
+        self.stop_stages(deadline, "daemon stopped")
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
         pointer.remove(self.cfg.path)
+
+    def stop_stages(self, deadline: float, why: str) -> None:
+        """Every stage's children ended within their graces, last stage first (the trainer's
+        checkpoint is never squeezed by the ingest's wait); what was in flight back to pending."""
+        for stage in reversed(self.stages):
+            stage.stop(deadline)
+        self.ledger.requeue_inflight(why)
 
     # ---- the tick -----------------------------------------------------------------------------
 
@@ -288,10 +292,7 @@ class Daemon:
         """Set the current run aside (its stages stopped within their bounds, its state intact)
         and go on with the run of `new`'s contract: resumed where it stopped, or new."""
         before = self.current
-        deadline = time.monotonic() + STOP_BUDGET_S
-        for stage in reversed(self.stages):
-            stage.stop(deadline)
-        self.ledger.requeue_inflight("run set aside")
+        self.stop_stages(time.monotonic() + STOP_BUDGET_S, "run set aside")
         self.publish(final=True)  # its state file says where it stopped
         self.root_cfg = new
         selected = run_select.select(new, weights)
