@@ -11,8 +11,8 @@ states encoded by precision.encode_states as the capture encodes them), then, in
   bench/gpu_train.py's OurTrainer) fed the same batches from memory (held on the device), then
   fed from disk by the reader as train_loop feeds it: read ahead, copied, decoded on the device.
 
-Every read evicts its file after reading (posix_fadvise DONTNEED) unless the dataset is larger
-than the machine's memory: the page cache never serves a read twice. The output says which.
+Every read evicts its file after reading (posix_fadvise DONTNEED), so the page cache never serves
+a read twice; the output says whether the dataset would have fitted in memory anyway.
 Judged by, side by side,
 
     tokens/s from disk / tokens/s from memory   (goal >= 0.95 where the disk is not the limit)

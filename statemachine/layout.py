@@ -81,8 +81,8 @@ def manifest_file(dataset_dir: Path) -> Path:
 
 def published_state(dataset_dir: Path) -> Path:
     """A shard's state file, copied where the training node reads it (statemachine/statefile.py,
-    statemachine/shards.py)."""
-    return Path(dataset_dir) / "state.toml"
+    statemachine/shards.py): the same name as the state folder's own."""
+    return state_file(dataset_dir)
 
 
 # ---- the train folder ---------------------------------------------------------------------------

@@ -7,8 +7,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-import tomllib
-from pathlib import Path
 
 import torch
 
@@ -59,7 +57,7 @@ def test_the_train_stage_publishes_the_wait_and_status_shows_it(config_factory):
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         published = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: "f" * 32).status()
     assert published["data_wait"] == 0.03
-    state_dir = Path(tomllib.loads(config.read_text())["paths"]["state_dir"])
+    state_dir = cfg.paths.state_dir
     for wait, said in ((0.03, "data wait 3% of step time\n"),
                        (0.4, "data wait 40% of step time (waiting for the reader")):
         write_state(state_dir, {"stage": "train", "reason": "training", "trainer": {
