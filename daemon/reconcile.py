@@ -253,7 +253,8 @@ class Daemon:
             weights = run_select.weights_of(new)
             switch = runs.run_key(new.contract_keys(), weights) != self.current.key
             if switch and not problem:
-                problem = self.new_run_problem(new, weights)
+                problem = (run_select.sharded_switch_problem(new, weights)
+                           or self.new_run_problem(new, weights))
         except ConfigError as exc:
             problem = f"the new config does not validate: {exc}"
         if problem:

@@ -37,7 +37,27 @@ def in_place_contract(cfg: Config) -> tuple[dict[str, Any], str] | None:
     return before.contract_keys(), weights
 
 
+# A shard's folders, and the gate's and status's view of the others, are `shard-i-of-N` under
+# the configured roots: a further run's `runs/<run>/` inside them is not yet laid out for that.
+SHARDED_RUNS = ("a sharded extraction keeps one run per set of roots: point [paths] at new "
+                "roots for another target (on every node), or put the edited keys back")
+
+
+def sharded_switch_problem(cfg: Config, weights: str) -> str | None:
+    """Why `cfg` may not move a sharded node to a run other than the one in its folders."""
+    if cfg.data.shards == 1:
+        return None
+    registry = runs.read(cfg.paths.state_dir)
+    found = runs.find(cfg, weights)
+    if not registry.runs or (found is not None and found.in_place):
+        return None
+    return f"{cfg.path}: {SHARDED_RUNS}"
+
+
 def select(cfg: Config, weights: str | None = None) -> runs.Selected:
     """Make the run of `cfg` (configured roots) current."""
-    return runs.select(cfg, weights_of(cfg) if weights is None else weights,
-                       in_place_contract(cfg))
+    weights = weights_of(cfg) if weights is None else weights
+    problem = sharded_switch_problem(cfg, weights)
+    if problem:
+        raise ConfigError(problem)
+    return runs.select(cfg, weights, in_place_contract(cfg))

@@ -194,3 +194,18 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_pa
     assert gate.observe(seen) == {} and gate.fingerprint()
     one = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 1}}, "one.toml"))
     assert "trains_elsewhere" in ShardGate(one).observe(seen)
+
+
+def test_a_sharded_node_refuses_a_run_its_folders_cannot_hold(tmp_path):
+    """A shard's folders hold one run: a config of another contract is refused with the way out,
+    never laid out where the gate and status would not find it."""
+    from eagle3d.daemon import run_select
+    source = write_conversations(tmp_path / "conv.jsonl", 4)
+    data = {"source": str(source), "format": "messages", "limit": 4, "shards": 3, "shard": 1}
+    first = load_config(make_config(tmp_path, {"data": data}))
+    assert run_select.select(first, "w").new
+    assert run_select.select(first, "w").run.in_place  # the same contract resumes
+    other = load_config(make_config(tmp_path, {"data": data, "target": {"dtype": "bfloat16"}},
+                                    name="other.toml"))
+    with pytest.raises(ConfigError, match="keeps one run per set of roots"):
+        run_select.select(other, "w")
