@@ -167,5 +167,6 @@ def run_folder(root: Path, run_id: str) -> Path:
 
 
 # The names in a configured root that are not the in-place run's own: forgetting that run
-# keeps them.
-ROOT_SHARED = ("runs", "runs.toml", "runs.lock", "children")
+# keeps them. Taken from the functions that name them, so a rename cannot slip past `forget`.
+ROOT_SHARED = tuple(f(Path()).name for f in (runs_registry, runs_lock, children_dir)) + (
+    run_folder(Path(), "-").parent.name,)
