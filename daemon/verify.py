@@ -71,7 +71,7 @@ def check_file(e: Expected, from_disk: bool = False) -> tuple[str | None, str | 
     """Check one dataset file against its expectation: (problem or None, stat key or None).
     `from_disk` reads what the disk holds, not what the page cache holds (see durability.py)."""
     try:
-        fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = dumpformat.open_dump(e.path)
     except FileNotFoundError:
         return "missing file", None
     except OSError as exc:

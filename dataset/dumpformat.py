@@ -40,6 +40,7 @@ AUX_SCALE, LAST_SCALE = "aux_hidden_states_scale", "last_hidden_state_scale"
 SCALES = {AUX: AUX_SCALE, LAST: LAST_SCALE}
 SCALED_TENSORS = (*TENSORS, AUX_SCALE, LAST_SCALE)
 MAX_HEADER = 1 << 20
+HEAD = 4096  # read at once: a dump's header is ~600 bytes
 
 
 class DumpError(ValueError):
@@ -212,22 +213,33 @@ def _check_scales(tensors: dict[str, TensorInfo], t_count: int) -> None:
                             f"not F32 {list(want)}")
 
 
+def open_dump(path: str | os.PathLike) -> int:
+    """A dump's file descriptor, opened for reading without following a symlink (a link in a
+    dataset could point anywhere) and without waiting on a FIFO's writer."""
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+
+
+def header_of(fd: int) -> DumpHeader:
+    """Read and validate the header of the dump open at `fd`: one pread of HEAD bytes holds a
+    whole header, a second reads the rest of a longer one."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise DumpError("not a regular file")
+    head = os.pread(fd, HEAD, 0)
+    if len(head) >= 8:
+        (n,) = struct.unpack("<Q", head[:8])
+        if len(head) < 8 + n <= min(st.st_size, 8 + MAX_HEADER):
+            head += os.pread(fd, 8 + n - len(head), len(head))
+    return parse_header(head, st.st_size)
+
+
 def read_header(path: str | os.PathLike) -> DumpHeader:
     """Read and validate a dump's header without following symlinks."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    fd = open_dump(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise DumpError("not a regular file")
-        head = os.pread(fd, 8, 0)
-        if len(head) == 8:
-            (n,) = struct.unpack("<Q", head)
-            if n <= MAX_HEADER:
-                head += os.pread(fd, n, 8)
-        return parse_header(head, st.st_size)
+        return header_of(fd)
     finally:
         os.close(fd)
-
 
 
 def ids_hash(input_ids: bytes) -> str:

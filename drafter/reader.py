@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import collections
 import os
-import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 
-from eagle3d.dataset.dumpformat import (DTYPE_SIZES, INPUT_IDS, LOSS_MASK, DumpError,
-                                        DumpHeader, parse_header)
+from eagle3d.dataset import dumpformat
+from eagle3d.dataset.dumpformat import (DTYPE_NAMES, DTYPE_SIZES, INPUT_IDS, LOSS_MASK, DumpError,
+                                        DumpHeader)
 from eagle3d.drafter.data import Batch, Planned, StoredBatch
 
 ALIGN = 64  # every tensor of a slot starts at a multiple of this: any dtype may view it
-HEAD = 4096  # a dump's header (~600 bytes) is read with one pread of this much
-TORCH_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
-                "F8_E4M3": torch.float8_e4m3fn, "I32": torch.int32, "U8": torch.uint8}
+# The dump format's dtypes as torch's: dumpformat names each by its torch name.
+TORCH_DTYPES = {stored: getattr(torch, name) for name, stored in DTYPE_NAMES.items()}
 # Batches held on the host at once, and threads reading them. One H200 trains the Kimi-K2.5
 # shape at ~13k tokens/s, ~370 MB/s of fp8 dumps: one 4096-token batch (117 MB) is ~0.3 s of
 # step and as long a read from a ~0.4 GB/s share of a disk. Several in flight keep the device's
@@ -36,14 +35,8 @@ READERS = 4
 
 
 def header_of(fd: int, path: Path) -> DumpHeader:
-    size = os.fstat(fd).st_size
-    head = os.pread(fd, HEAD, 0)
-    if len(head) >= 8:
-        (n,) = struct.unpack("<Q", head[:8])
-        if HEAD < 8 + n <= size:
-            head += os.pread(fd, 8 + n - len(head), len(head))
     try:
-        return parse_header(head, size)
+        return dumpformat.header_of(fd)
     except DumpError as exc:
         raise DumpError(f"{path}: {exc}") from None
 
@@ -97,10 +90,12 @@ class Slot:
         """Read the planned batch's dumps into this slot, right-padded to the longest.
         `evict` drops each file from the page cache once read (a dataset read once per epoch
         gains nothing from it staying there)."""
-        fds = [os.open(paths[i], os.O_RDONLY) for i in planned.indices]
+        fds: list[int] = []
         try:
-            for fd in fds:  # the kernel reads ahead twice as far
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            for i in planned.indices:
+                fds.append(dumpformat.open_dump(paths[i]))
+                # The kernel reads ahead twice as far.
+                os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)
             headers = [header_of(fd, paths[i]) for fd, i in zip(fds, planned.indices)]
             return self._read(fds, [paths[i] for i in planned.indices], headers,
                               planned.trained, answers_only, evict)

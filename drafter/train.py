@@ -107,7 +107,8 @@ def checked_manifest(cfg: Config) -> dict[str, Any]:
 def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
     """What each rank checks with its own node's files against node 0's manifest: the target
     weights it loads the embedding and head from, and the headers of its share of the node's
-    dataset files (the node's ranks together read every file's header)."""
+    dataset files (the node's ranks together read every file's header): sample, contract and
+    token count."""
     identity.check(manifest["contract"], cfg.target.model_path, cfg.target.model)
     share = slice(rt.local_rank, None, rt.local_world)
     paths = data.sample_paths(manifest, shards.samples_root(cfg))[share]
@@ -121,6 +122,10 @@ def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
             raise Refusal(f"refusing to train: {path} holds sample {header.sample_id} of contract "
                           f"{header.contract}, the manifest lists sample {wanted[0]} of contract "
                           f"{wanted[1]}")
+        # The batches are planned by the manifest's counts and read by the header's.
+        if sample.get("tokens") != header.tokens:
+            raise Refusal(f"refusing to train: {path} holds {header.tokens} tokens, the manifest "
+                          f"lists {sample.get('tokens')!r} for sample {sample['id']}")
 
 
 def draft_vocabulary(cfg: Config, rt: Runtime, manifest: dict[str, Any], paths: list[Path],

@@ -4,6 +4,7 @@ a resume reading nothing before its place, host memory bounded whatever the data
 
 from __future__ import annotations
 
+import errno
 import random
 import subprocess
 import sys
@@ -162,6 +163,38 @@ def test_a_damaged_dump_is_named_in_the_error(samples, tmp_path):
     cut.write_bytes(paths[0].read_bytes()[:-100])
     with pytest.raises(dumpformat.DumpError, match=str(cut)):
         as_read([cut], [data.Planned((0,))])
+
+
+def test_a_symlink_in_place_of_a_dump_is_refused_naming_it(samples, tmp_path):
+    """The reader opens a dump as the dump format's owner does: never through a symlink, which
+    in a dataset folder could point at any file."""
+    paths, _ = samples
+    link = tmp_path / paths[0].name
+    link.symlink_to(paths[0])
+    with pytest.raises(OSError, match=str(link)) as refused:
+        as_read([link], [data.Planned((0,))])
+    assert refused.value.errno == errno.ELOOP
+
+
+def test_a_folder_in_place_of_a_dump_is_named_in_the_error(tmp_path):
+    folder = tmp_path / f"{0:032x}.safetensors"
+    folder.mkdir()
+    with pytest.raises(dumpformat.DumpError, match=f"{folder}: not a regular file"):
+        as_read([folder], [data.Planned((0,))])
+
+
+def test_a_header_longer_than_one_read_is_read_whole(tmp_path):
+    """A header comes with one pread of dumpformat.HEAD bytes; a longer one (here a long
+    contract string) with a second, for the reader and the owner's read_header alike."""
+    tokens, hidden = 5, 8
+    path = dumpformat.write_dump(tmp_path, f"{1:032x}", "c" * dumpformat.HEAD, {
+        "input_ids": ("I32", (tokens,), torch.arange(tokens, dtype=torch.int32).numpy().tobytes()),
+        "loss_mask": ("U8", (tokens,), b"\1" * tokens),
+        "aux_hidden_states": ("BF16", (tokens, 3 * hidden), bytes(6 * hidden * tokens)),
+        "last_hidden_state": ("BF16", (tokens, hidden), bytes(2 * hidden * tokens))})
+    assert dumpformat.read_header(path).contract == "c" * dumpformat.HEAD
+    batch, = as_read([path], [data.Planned((0,))])
+    assert batch.input_ids.tolist() == [list(range(tokens))] and batch.tokens == tokens
 
 
 MEMORY_PROBE = textwrap.dedent("""

@@ -412,6 +412,32 @@ def test_refuses_a_dataset_that_does_not_match_the_ledger(tmp_path, data_root):
     assert not (tmp_path / "train" / "export").exists()
 
 
+def test_refuses_a_manifest_whose_token_count_is_not_the_dumps(tmp_path, data_root):
+    """The batches are planned by the manifest's token counts and read by the dumps' headers:
+    a manifest that disagrees with a header (its fingerprint covers ids and checksums, not
+    counts) is refused before training, naming the dump, not trained into wrong batches."""
+    import shutil
+    from eagle3d.statemachine import manifest as manifest_mod
+    other = tmp_path / "other"
+    shutil.copytree(data_root / "state", other / "state")
+    (other / "dataset").mkdir()
+    shutil.copy(data_root / "dataset" / "capture.toml", other / "dataset")
+    (other / "dataset" / "shard-0000").symlink_to(data_root / "dataset" / "shard-0000")
+    manifest = manifest_mod.read(data_root / "dataset")
+    sample = manifest["samples"][3]
+    sample["tokens"] += 1
+    manifest_mod.write(other / "dataset", manifest)
+    config = write_config(tmp_path, other, SMALL)
+    run = subprocess.run([PY, "-m", "eagle3d.drafter.train", "-c", str(config)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2, run.stderr[-3000:]
+    dump = other / "dataset" / sample["path"]
+    assert (f"refusing to train: {dump} holds {sample['tokens'] - 1} tokens, the manifest lists "
+            f"{sample['tokens']} for sample {sample['id']}") in run.stderr, run.stderr[-3000:]
+    assert "Traceback" not in run.stderr
+    assert not (tmp_path / "train" / "export").exists()
+
+
 def test_the_reported_rate_holds_steady_through_one_slow_step_and_follows_a_lasting_change():
     from eagle3d.drafter.reporting import RecentRate
     rate, now = RecentRate(window_s=10.0), 0.0
