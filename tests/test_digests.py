@@ -1,0 +1,68 @@
+"""The short digests that an install has already written down (run keys in folder names, drafter
+version keys, sample ids that split the shards, token-id hashes and checksums in the ledger)
+keep their values: a changed algorithm or serialization would orphan every existing run,
+re-split the shards and fail every stored sample. Each value below was computed by the code as
+it was before the digests had one owner (statemachine/digests.py)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from types import SimpleNamespace
+from typing import NamedTuple
+
+from eagle3d.capture import planner
+from eagle3d.dataset import dumpformat
+from eagle3d.dataset.conversations import Conversation
+from eagle3d.statemachine import runs, shards, train_files
+from eagle3d.statemachine.ledger import Ledger
+
+MESSAGES = ({"role": "user", "content": "Grüß dich, wie geht's?"},
+            {"role": "assistant", "content": "Gut, danke — und dir?"})
+
+
+def test_a_run_key_keeps_its_value():
+    keys = {"model": "pkg:x/SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "bfloat16",
+            "layer_ids": [2, 15, 27]}
+    assert runs.run_key(keys, "weights") == "smollm2-135m-instruct-q4-1-a508bfff"
+
+
+class Train(NamedTuple):
+    lr: float = 1e-4
+    epochs: int = 2
+    nproc: int = 1
+    out: Path = Path("/srv/train")
+
+
+def test_a_drafter_version_key_keeps_its_value_and_ignores_where_training_runs():
+    key = train_files.train_key(SimpleNamespace(train=Train()))
+    assert key == "c4e267ae"
+    assert train_files.train_key(SimpleNamespace(train=Train(nproc=8, out=Path("/x")))) == key
+
+
+def test_a_sample_id_and_its_shard_keep_their_values():
+    """The content id is the sample's name in the ledger and its dumps; the shard split follows
+    it, and a record without messages goes by its index."""
+    sid = planner.sample_id(MESSAGES)
+    assert sid == "52f8d556a8f8d7175d73c8cfb4cd3477"
+    assert shards.owner(sid, 7) == 4
+    owned = [idx for idx in range(16)
+             if planner.owned(Conversation(idx, None, "empty"), shards.Shard(0, 3))]
+    assert owned == [1, 2, 6, 8, 14]
+
+
+def test_the_token_ids_hash_keeps_its_value():
+    raw = struct.pack("<4i", 1, 2, 3, 50000)
+    assert dumpformat.ids_hash(raw) == "5cc17aa410c5b0f88cde941f845b7d20"
+
+
+def test_a_generated_conversation_stored_before_still_reads(tmp_path):
+    """A ledger row written by an earlier install, checksum and all, is read back, not refused
+    as damaged."""
+    text = json.dumps(list(MESSAGES), ensure_ascii=False)
+    with Ledger(tmp_path / "ledger.sqlite") as ledger:
+        with ledger.transaction() as db:
+            db.execute("INSERT INTO generated VALUES (?, ?, ?, ?)",
+                       ("s1", text, "4d6daed44c2343fa9d5fb9f347cd0b51", json.dumps({"seed": 0})))
+        assert ledger.generated("s1") == (list(MESSAGES), {"seed": 0})
