@@ -15,8 +15,9 @@ from typing import NamedTuple
 from eagle3d.capture import planner
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.conversations import Conversation
-from eagle3d.statemachine import runs, shards, train_files
+from eagle3d.statemachine import manifest, runs, shards, train_files
 from eagle3d.statemachine.ledger import Ledger
+from eagle3d.target import loading
 
 MESSAGES = ({"role": "user", "content": "Grüß dich, wie geht's?"},
             {"role": "assistant", "content": "Gut, danke — und dir?"})
@@ -66,3 +67,13 @@ def test_a_generated_conversation_stored_before_still_reads(tmp_path):
             db.execute("INSERT INTO generated VALUES (?, ?, ?, ?)",
                        ("s1", text, "4d6daed44c2343fa9d5fb9f347cd0b51", json.dumps({"seed": 0})))
         assert ledger.generated("s1") == (list(MESSAGES), {"seed": 0})
+
+
+def test_the_manifest_and_weights_fingerprints_keep_their_values(tmp_path):
+    """A dataset's manifest fingerprint (the trainer's done marker holds it) and the target's
+    weights fingerprint (in its capture contract)."""
+    rows = [("a" * 32, "xxh3-128:00"), ("b" * 32, "xxh3-128:01")]
+    assert manifest.fingerprint(rows) == "32e3eaa02d4483129b6a8671065b177f"
+    (tmp_path / "model.safetensors").write_bytes(bytes(range(256)) * 64)
+    (tmp_path / "config.json").write_text('{"hidden_size": 8}')
+    assert loading.fingerprint_file_or_folder(tmp_path) == "2348eb44ad3e0d09e5fcde851937959d"
