@@ -16,7 +16,7 @@ from eagle3d.capture import planner
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import manifest, runs, shards, train_files
-from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
 from eagle3d.target import loading
 
 MESSAGES = ({"role": "user", "content": "Grüß dich, wie geht's?"},
@@ -67,6 +67,14 @@ def test_a_generated_conversation_stored_before_still_reads(tmp_path):
             db.execute("INSERT INTO generated VALUES (?, ?, ?, ?)",
                        ("s1", text, "4d6daed44c2343fa9d5fb9f347cd0b51", json.dumps({"seed": 0})))
         assert ledger.generated("s1") == (list(MESSAGES), {"seed": 0})
+        # And one stored now is checksummed as before.
+        ledger.add_prompts([Prompt("s2", 2, json.dumps(list(MESSAGES[:1])))], [], {})
+        assert [s.id for s, _ in ledger.claim_prompts(1)] == ["s2"]
+        raw = struct.pack("<2i", 1, 2)
+        assert ledger.mark_generated(PlannedSample("s2", 2, 2, 1, dumpformat.ids_hash(raw), raw,
+                                                   b"\x00\x01"), list(MESSAGES), {"seed": 0})
+        assert ledger.db.execute("SELECT checksum FROM generated WHERE id = 's2'").fetchone() == (
+            "4d6daed44c2343fa9d5fb9f347cd0b51",)
 
 
 def test_the_manifest_and_weights_fingerprints_keep_their_values(tmp_path):
