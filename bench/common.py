@@ -8,7 +8,6 @@ the spool costs nothing.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import queue
 import resource
@@ -24,6 +23,7 @@ import numpy as np
 from eagle3d.dataset import dumpformat
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.ingest import Ingestor, Outcome
+from eagle3d.statemachine import digests
 from eagle3d.statemachine.config import ExtractConfig
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 
@@ -43,7 +43,7 @@ class Dump(NamedTuple):
 
 
 def sample_id(n: int) -> str:
-    return hashlib.blake2b(str(n).encode(), digest_size=16).hexdigest()
+    return digests.hex_digest(str(n).encode())
 
 
 def finite_bf16(rng: np.random.Generator, rows: int) -> np.ndarray:

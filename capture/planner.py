@@ -22,7 +22,6 @@ CONTRACT_MISMATCH.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import sys
@@ -36,7 +35,7 @@ import numpy as np
 from eagle3d.dataset import contract, dumpformat
 from eagle3d.target import identity, loading
 from eagle3d.dataset.conversations import Conversation, iter_conversations
-from eagle3d.statemachine import layout, shards
+from eagle3d.statemachine import digests, layout, shards
 from eagle3d.statemachine.config import Config, ConfigError
 from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
@@ -63,10 +62,6 @@ def room_for_answer(prompt_tokens: int, max_tokens: int) -> bool:
     conversation whose first prompt does not, and the generator ends one at the turn that
     does not (one rule, or a conversation planned is one the generator cannot start)."""
     return prompt_tokens + MIN_ANSWER + END_MARGIN <= max_tokens
-
-
-def _hash(text: str) -> str:
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 def architecture(model_config: Any) -> str:
@@ -102,8 +97,8 @@ def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, 
         "format": dumpformat.FORMAT,
         "target": cfg.target.model,
         "target_fingerprint": loading.fingerprint_file_or_folder(cfg.target.model_path),
-        "tokenizer_fingerprint": _hash(backend.to_str()),
-        "chat_template_fingerprint": _hash(json.dumps(template, sort_keys=True)),
+        "tokenizer_fingerprint": digests.hex_digest(backend.to_str().encode()),
+        "chat_template_fingerprint": digests.json_digest(template),
         "layer_ids": layer_ids,
         "layer_convention": contract.LAYER_CONVENTION,
         "final_state": contract.FINAL_STATE,
@@ -145,13 +140,14 @@ def owned(conv: Conversation, shard: shards.Shard) -> bool:
     if shard.count == 1:
         return True
     key = sample_id(conv.messages) if conv.messages is not None else \
-        _hash(str(conv.idx))
+        digests.hex_digest(str(conv.idx).encode())
     return shards.owner(key, shard.count) == shard.index
 
 
 def sample_id(messages: Sequence[dict]) -> str:
-    raw = json.dumps(list(messages), sort_keys=True, ensure_ascii=False).encode()
-    return hashlib.blake2b(raw, digest_size=16).hexdigest()
+    # Not json_digest: the ids written so far keep non-ASCII text as it is.
+    return digests.hex_digest(json.dumps(list(messages), sort_keys=True,
+                                         ensure_ascii=False).encode())
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:

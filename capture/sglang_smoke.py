@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import itertools
 import json
 import os
@@ -56,11 +55,6 @@ def tokenize(tokenizer, prompt: str) -> tuple[list[int], bytes]:
     else:
         ids = tokenizer(prompt)["input_ids"]
     return list(ids), bytes(len(ids))
-
-
-def sample_id(ids: list[int]) -> str:
-    import numpy as np
-    return hashlib.blake2b(np.asarray(ids, dtype="<i4").tobytes(), digest_size=16).hexdigest()
 
 
 @contextlib.contextmanager
@@ -191,9 +185,9 @@ def plan_samples(token_lists: list[list[int]], masks: list[bytes], start: int = 
     samples, planned = {}, []
     for idx, (ids, mask) in enumerate(zip(token_lists, masks), start):
         raw = b"".join(i.to_bytes(4, "little", signed=True) for i in ids)
-        sid = sample_id(ids)
+        sid = dumpformat.ids_hash(raw)  # a smoke sample is named by its token ids
         samples[sid] = ids
-        planned.append(PlannedSample(sid, idx, len(ids), 0, dumpformat.ids_hash(raw), raw, mask))
+        planned.append(PlannedSample(sid, idx, len(ids), 0, sid, raw, mask))
     return samples, planned
 
 

@@ -14,7 +14,6 @@ dump (`compare_dumps`). No torch here: this runs in the daemon's worker threads.
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import stat
@@ -225,7 +224,7 @@ class _TensorScan:
 
     def __init__(self, name: str, info: TensorInfo) -> None:
         self.name, self.info = name, info
-        self.ids = hashlib.blake2b(digest_size=16)
+        self.ids = dumpformat.ids_hasher()
         self.mask_ones = 0
 
     def feed(self, chunk: np.ndarray, offset: int) -> str | None:

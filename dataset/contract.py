@@ -8,8 +8,6 @@ speak another convention translate at their edge (see target/layers.py).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import digests, layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.entry import Refusal
@@ -76,8 +74,7 @@ def _binding(contract: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint(contract: dict[str, Any]) -> str:
-    binding = json.dumps(_binding(contract), sort_keys=True).encode()
-    return hashlib.blake2b(binding, digest_size=16).hexdigest()
+    return digests.json_digest(_binding(contract))
 
 
 def read(dataset_dir: Path) -> dict[str, Any] | None:

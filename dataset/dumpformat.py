@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from eagle3d.statemachine import digests
 from eagle3d.statemachine.atomic import temp_path
 
 FORMAT = "eagle3d-dump/1"
@@ -245,5 +246,11 @@ def read_header(path: str | os.PathLike) -> DumpHeader:
 def ids_hash(input_ids: bytes) -> str:
     """The planned identity of a sample's token ids (little-endian int32 bytes), as stored in the
     ledger: ingest and verify compare a dump's `input_ids` against it."""
-    import hashlib
-    return hashlib.blake2b(input_ids, digest_size=16).hexdigest()
+    h = ids_hasher()
+    h.update(input_ids)
+    return h.hexdigest()
+
+
+def ids_hasher() -> digests.Hasher:
+    """ids_hash fed chunk by chunk, as verify streams a dump: `hexdigest()` at the end."""
+    return digests.hasher()

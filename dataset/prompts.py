@@ -9,8 +9,11 @@ Any of them may be JSON lines or one JSON array.
 The format is detected from the file's first record, and every record must then be of it. A
 line that is not JSON, or a record of another shape, is an error naming the file and the line
 (in a JSON array, the record's number): a user's prompt file with a typo should say where, not
-be measured without it. A conversation that has no user turn is a prompt-less record, skipped
-and counted by the caller. Answers are never needed: the target writes its own.
+be measured without it. So is a JSON array cut off or damaged, where the user wrote the file
+(`strict`); a data source read for its prompts is the ShareGPT file that is cut off mid-record,
+whose complete records are taken with a warning (dataset/conversations.py). A conversation that
+has no user turn is a prompt-less record, skipped and counted by the caller. Answers are never
+needed: the target writes its own.
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator, NamedTuple
 
-from eagle3d.dataset.conversations import Broken, json_array, jsonl_lines, turns_of
+from eagle3d.dataset.conversations import (Broken, Damaged, complete_records, is_json_array,
+                                           json_array, jsonl_lines, turns_of)
 
 MT_BENCH, MESSAGES, SHAREGPT = "mt-bench", "messages", "sharegpt"
 
@@ -37,7 +41,7 @@ class Question(NamedTuple):
 
 def detect_format(path: Path) -> str:
     """MT_BENCH, MESSAGES or SHAREGPT, from the file's first character and first record."""
-    for where, record in _records(path):
+    for where, record in _records(path, strict=True):
         if isinstance(record, dict) and isinstance(record.get("turns"), list):
             return MT_BENCH
         if isinstance(record, dict) and isinstance(record.get("conversations"), list):
@@ -50,11 +54,13 @@ def detect_format(path: Path) -> str:
     raise PromptError(f"{path}: no prompts in the file")
 
 
-def read_questions(path: Path, first: int = 0, limit: int | None = None) -> Iterator[Question]:
-    """The questions with index in [first, first + limit), in file order."""
+def read_questions(path: Path, first: int = 0, limit: int | None = None,
+                   strict: bool = False) -> Iterator[Question]:
+    """The questions with index in [first, first + limit), in file order. `strict`: a JSON
+    array that breaks off is an error, not its complete records and a warning."""
     fmt = detect_format(path)
     end = None if limit is None else first + limit
-    for idx, (where, record) in enumerate(_records(path)):
+    for idx, (where, record) in enumerate(_records(path, strict)):
         if idx < first:
             continue
         if end is not None and idx >= end:
@@ -62,18 +68,18 @@ def read_questions(path: Path, first: int = 0, limit: int | None = None) -> Iter
         yield _question(path, where, record, fmt)
 
 
-def _is_array(path: Path) -> bool:
+def _records(path: Path, strict: bool) -> Iterator[tuple[str, object]]:
     try:
-        with open(path, "rb") as f:
-            return f.read(4096).lstrip().startswith(b"[")
+        array = is_json_array(path)
     except OSError as exc:
         raise PromptError(f"{path}: cannot be read ({exc.strerror})") from None
-
-
-def _records(path: Path) -> Iterator[tuple[str, object]]:
-    if _is_array(path):
-        for n, record in enumerate(json_array(path), 1):
-            yield f"record {n}", record
+    if array:
+        n = 0
+        try:
+            for n, record in enumerate(json_array(path) if strict else complete_records(path), 1):
+                yield f"record {n}", record
+        except Damaged as exc:
+            raise PromptError(f"{path}, record {n + 1}: {exc.problem}") from None
         return
     for lineno, record in jsonl_lines(path):
         if isinstance(record, Broken):

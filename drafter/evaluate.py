@@ -559,7 +559,10 @@ def read_source(cfg: Config, source: str | None, prompts: str | None, first: int
             first = 0 if prompts else cfg.eval.first
         if limit is None:
             limit = None if prompts else cfg.eval.limit
-        return path, detect_format(path), list(read_questions(path, first, limit))
+        # A file of prompts the user names is held to what they wrote; a data source may be
+        # ShareGPT's, cut off mid-record.
+        return path, detect_format(path), list(read_questions(path, first, limit,
+                                                              strict=bool(prompts)))
     except ValueError as exc:  # a PromptError, or a location that is not there
         raise Refusal(str(exc)) from None
 

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-from eagle3d.statemachine import layout, shards
+from eagle3d.statemachine import digests, layout, shards
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
 if sys.version_info >= (3, 11):
@@ -267,7 +267,7 @@ def write_in_force(cfg: Config) -> Path:
 def in_force_check(cfg: Config) -> list[str]:
     """The arguments by which a child of the daemon makes sure that the config in force it
     reads is the one the daemon holds (entry.child_main checks them)."""
-    return [IN_FORCE_OPTION, _digest(to_toml(cfg).encode())]
+    return [IN_FORCE_OPTION, digests.hex_digest(to_toml(cfg).encode())]
 
 
 def check_in_force(path: Path, digest: str | None) -> None:
@@ -276,7 +276,7 @@ def check_in_force(path: Path, digest: str | None) -> None:
     if digest is None:  # not a child of the daemon: a command an operator typed
         return
     try:
-        found = _digest(path.read_bytes())
+        found = digests.hex_digest(path.read_bytes())
     except OSError:
         return  # load_config says what is wrong with it
     if found != digest:
@@ -284,12 +284,6 @@ def check_in_force(path: Path, digest: str | None) -> None:
                           "after the daemon wrote it? Edit the config named at the top of the "
                           "file and reload the daemon instead (systemctl reload eagle3d), which "
                           "writes this one again")
-
-
-def _digest(data: bytes) -> str:
-    import hashlib  # lazily: eagle3ctl status never digests, and answers in a blink
-
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
 def load_in_force(path: str | os.PathLike) -> Config:

@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 from typing import Iterable, Iterator, NamedTuple, Sequence
 
+from eagle3d.statemachine import digests
+
 # 2: events are indexed by kind. 3: the target writes the answers ([data] responses = "target"):
 # prompts, generated conversations, and the two states before pending. A ledger of an older
 # version is brought up to this one when it is opened for writing: the schema below only creates
@@ -92,11 +94,6 @@ def _first_prompt_chars(messages: str) -> int:
         if turn.get("role") == "user":
             break
     return total
-
-
-def _checksum(text: str) -> str:
-    import hashlib
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
 
 class Sample(NamedTuple):
@@ -560,7 +557,8 @@ class Ledger:
                                                            planned.id))
             if cur.rowcount:
                 db.execute("INSERT OR REPLACE INTO generated VALUES (?, ?, ?, ?)",
-                           (planned.id, text, _checksum(text), json.dumps(settings)))
+                           (planned.id, text, digests.hex_digest(text.encode()),
+                            json.dumps(settings)))
                 db.execute("INSERT OR REPLACE INTO plan_tokens VALUES (?, ?, ?)",
                            (planned.id, planned.input_ids, planned.loss_mask))
                 self.event("generated", f"{planned.tokens} tokens", planned.id, db)
@@ -574,7 +572,7 @@ class Ledger:
                               (sid,)).fetchone()
         if row is None:
             return None
-        if _checksum(row[0]) != row[1]:
+        if digests.hex_digest(row[0].encode()) != row[1]:
             raise LedgerError(f"the generated conversation of {sid} does not match its checksum")
         return json.loads(row[0]), json.loads(row[2])
 

@@ -6,12 +6,11 @@ verified sample, so the trainer can refuse a dataset that no longer matches the 
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any, Iterable
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import digests, layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.ledger import Ledger
 
@@ -22,7 +21,7 @@ class ManifestMismatch(RuntimeError):
 
 
 def fingerprint(rows: Iterable[tuple[str, str]]) -> str:
-    h = hashlib.blake2b(digest_size=16)
+    h = digests.hasher()
     for sid, checksum in rows:
         h.update(f"{sid}:{checksum}\n".encode())
     return h.hexdigest()

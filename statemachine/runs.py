@@ -32,7 +32,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import digests, layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import Config, ConfigError
 
@@ -74,10 +74,7 @@ def slug(model: str) -> str:
 
 
 def run_key(contract_keys: dict[str, Any], weights: str) -> str:
-    import hashlib  # here: eagle3ctl status reads the registry, and never digests
-    import json
-    binding = json.dumps({**contract_keys, "weights": weights}, sort_keys=True).encode()
-    digest = hashlib.blake2b(binding, digest_size=4).hexdigest()
+    digest = digests.json_digest({**contract_keys, "weights": weights}, digests.KEY_SIZE)
     return f"{slug(str(contract_keys['model']))}-{digest}"
 
 

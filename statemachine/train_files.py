@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import digests, layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
 # progress.json's `status`, in the order a run goes through them. "starting" is the wait for
@@ -146,10 +146,9 @@ _RUNNING_ONLY = ("nproc", "nnodes", "node_rank", "rendezvous", "device", "checkp
 
 
 def _key(section: Any, skip: tuple[str, ...]) -> str:
-    import hashlib  # lazily: eagle3ctl status never keys settings
     values = {k: v for k, v in section._asdict().items()
               if k not in skip and not isinstance(v, Path)}
-    return hashlib.blake2b(json.dumps(values, sort_keys=True).encode(), digest_size=4).hexdigest()
+    return digests.json_digest(values, digests.KEY_SIZE)
 
 
 def train_key(cfg: Any) -> str:

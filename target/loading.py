@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eagle3d.statemachine import digests
+
 log = logging.getLogger("eagle3d.target")
 
 TORCH_DTYPES = ("float32", "bfloat16", "float16")
@@ -150,9 +152,8 @@ _PROBE = 64 << 10
 def fingerprint_file_or_folder(model_path: Path) -> str:
     """A cheap identity of the target's weights: each weight file's name and size, its first
     and last MiB and 64 blocks spread evenly between them."""
-    import hashlib
     path = Path(model_path)
-    h = hashlib.blake2b(digest_size=16)
+    h = digests.hasher()
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and p.suffix in (".safetensors", ".bin", ".gguf",
                                                                     ".json", ".pt"))

@@ -1,13 +1,16 @@
 """A user's file of prompts for `eagle3ctl eval --prompts`: the three formats, detected, and a bad
-file or line told as one error naming the file and the line."""
+file or line told as one error naming the file and the line; a data source read for its prompts
+survives a cut-off tail, as the planner does."""
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
 
+from eagle3d.dataset.conversations import iter_conversations
 from eagle3d.dataset.prompts import (MESSAGES, MT_BENCH, SHAREGPT, PromptError, detect_format,
                                      read_questions)
 from eagle3d.drafter.evaluate import prompts_from
@@ -80,6 +83,44 @@ def test_a_bad_line_is_one_error_naming_the_file_and_the_line(tmp_path, lines, w
     assert str(err.value).startswith(f"{path}, {where}") and says in str(err.value)
 
 
+SHAREGPT_RECORDS = ['[{"conversations": [{"from": "human", "value": "Name a colour."},',
+                    '                   {"from": "gpt", "value": "Blue."}]},',
+                    ' {"conversations": [{"from": "human", "value": "And a fruit?"} x]},',
+                    ' {"conversations": [{"from": "human", "value": "A third?"}]}]']
+
+
+@pytest.mark.parametrize("lines,where", [
+    (SHAREGPT_RECORDS, "record 2: the file is cut off or damaged at line 3 (byte 185): "
+                       "Expecting ',' delimiter"),
+    (SHAREGPT_RECORDS[:2] + [' {"conversations": [{"from": "human", "val'],
+     "record 2: the file is cut off or damaged at line 3 (byte 160): Unterminated string"),
+    (SHAREGPT_RECORDS[:2], "record 2: the file ends at line 2 (byte 121) without closing the "
+                           "array"),
+])
+def test_a_damaged_json_array_of_prompts_is_one_error_naming_where_it_breaks(tmp_path, lines,
+                                                                             where):
+    """A user's prompt file that breaks off is not measured on the records before the break."""
+    path = tmp_path / "prompts.json"
+    path.write_text("\n".join(lines))
+    with pytest.raises(PromptError) as err:
+        list(read_questions(path, strict=True))
+    assert str(err.value).startswith(f"{path}, {where}")
+
+
+def test_a_cut_off_data_source_keeps_its_complete_records_with_a_warning(tmp_path, caplog):
+    """ShareGPT's own file is cut off mid-record: as a data source (the planner's, or eval's
+    --source) its complete records are read, and one warning says where the rest was lost."""
+    path = tmp_path / "sharegpt.json"
+    path.write_text("\n".join(SHAREGPT_RECORDS))
+    with caplog.at_level(logging.WARNING):
+        assert [q.first[-1]["content"] for q in read_questions(path)] == ["Name a colour."]
+        assert [c.messages[0]["content"] for c in iter_conversations(path)] == ["Name a colour."]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [f"{path}: the file is cut off or damaged at line 3 (byte 185): Expecting "
+                        "',' delimiter; taking the complete records before it and ignoring the "
+                        "rest"] * 2
+
+
 def test_an_empty_file_says_so(tmp_path):
     with pytest.raises(PromptError, match="no prompts"):
         list(read_questions(jsonl(tmp_path / "empty.jsonl", [])))
@@ -122,3 +163,14 @@ def test_eval_reads_a_source_of_another_format_than_the_data_source(config_facto
     proc = ctl(config, "eval", "--source", str(path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "no exported drafter" in proc.stderr
+
+
+def test_eval_with_a_damaged_prompt_array_exits_with_one_line_naming_where(config_factory,
+                                                                         tmp_path):
+    config = config_factory()
+    bad = tmp_path / "prompts.json"
+    bad.write_text("\n".join(SHAREGPT_RECORDS))
+    proc = ctl(config, "eval", "--prompts", str(bad))
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert f"{bad}, record 2: the file is cut off or damaged at line 3" in proc.stderr
