@@ -17,12 +17,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Sequence
+from typing import IO, Callable, Sequence
 
 import psutil
 
 from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import Config, in_force_check
+from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.lifecycle import die_with_parent
 
 log = logging.getLogger("eagle3d")
@@ -167,11 +168,14 @@ class Supervisor:
     """The restart policy of one stage's child, as Supervisor runs its programs: STARTING and
     RUNNING while a child is up, BACKOFF after an exit (2, 4, 8 … s, at most a minute), FATAL
     once the restarts are used up or at once for an exit that would only repeat (entry.FINAL,
-    controller-runtime's terminal error): never retried until the operator retries (`clear`)."""
+    controller-runtime's terminal error): never retried until the operator retries (`clear`).
+    `on_fatal` hears the reason of every entry into FATAL (the stage's log line and event)."""
 
-    def __init__(self, limit_key: str, limit: int) -> None:
+    def __init__(self, limit_key: str, limit: int,
+                 on_fatal: Callable[[str], None] = lambda reason: None) -> None:
         self.limit_key = limit_key  # "[extract] engine_max_restarts": where the limit is set
         self.limit = limit
+        self.on_fatal = on_fatal
         self.restarts = 0
         self.retry_at = 0.0
         self.fatal: str | None = None
@@ -204,6 +208,7 @@ class Supervisor:
         """A failure that retrying cannot mend: FATAL with its reason."""
         self.fatal = reason
         self.retry_at = 0.0
+        self.on_fatal(reason)
         return reason
 
     def clear(self) -> None:
@@ -211,6 +216,22 @@ class Supervisor:
         self.fatal = None
         self.restarts = 0
         self.retry_at = 0.0
+
+    def reconfigure(self, limit: int, mended: bool) -> None:
+        """A reloaded config: its limit from now on; `mended`: the new config may mend what
+        stopped the child, so the stage tries again from the start (as after `clear`)."""
+        self.limit = limit
+        if mended:
+            self.clear()
+
+
+def stage_failed(ledger: Ledger, event: str, line: str) -> Callable[[str], None]:
+    """A stage's `on_fatal`: the reason logged as an error (`line` with its %s) and recorded
+    in the ledger's events as `event`."""
+    def record(reason: str) -> None:
+        log.error(line, reason)
+        ledger.event(event, reason)
+    return record
 
 
 def remaining(deadline: float, most: float) -> float:

@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon import budgets
-from eagle3d.daemon.children import Supervisor, remaining
+from eagle3d.daemon.children import Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskFull, Ingestor
@@ -80,7 +80,9 @@ class ExtractStage:
         self.heartbeat = heartbeat  # publishes the state while a stop drains the engine
         self.engine: Engine | None = None
         self.supervisor = Supervisor("[extract] engine_max_restarts",
-                                     cfg.extract.engine_max_restarts)
+                                     cfg.extract.engine_max_restarts,
+                                     stage_failed(ledger, "extract_failed",
+                                                  "the extract stage stopped: %s"))
         self.seen: Seen | None = None
         self.budget_held: str | None = None  # the disk budget's pause, at the last observe
         self.contract: dict[str, Any] | None = None
@@ -173,9 +175,9 @@ class ExtractStage:
         try:
             self.engine = self.start_engine(self.cfg, self.pid_dir, self.contract)
         except EngineUnavailable as exc:
-            self.supervisor.terminal(str(exc))
             log.error("cannot start the engine: %s", exc)
             self.ledger.event("engine_unavailable", str(exc))
+            self.supervisor.terminal(str(exc))
 
     def _engine_exited(self, code: int) -> None:
         # An engine that knew why it could not become ready (an SGLang server whose capture
@@ -190,12 +192,8 @@ class ExtractStage:
         self.ledger.event("engine_exit", f"code {code}, {len(held)} in-flight samples returned")
         log.warning("the engine exited with code %s; %d in-flight samples returned", code,
                     len(held))
-        fatal = self.supervisor.exited(code, f"the engine cannot capture: {refused}" if refused
-                                       else f"the engine exited with code {code}",
-                                       final=bool(refused))
-        if fatal is not None:  # recorded as the generate and train stages record theirs
-            log.error("the extract stage stopped: %s", fatal)
-            self.ledger.event("extract_failed", fatal)
+        self.supervisor.exited(code, f"the engine cannot capture: {refused}" if refused
+                               else f"the engine exited with code {code}", final=bool(refused))
 
     def _engine_events(self) -> None:
         if self.engine is None:
@@ -313,7 +311,9 @@ class ExtractStage:
 
     def reconfigure(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.supervisor.limit = cfg.extract.engine_max_restarts
+        # An engine that keeps dying stays stopped: its failures are the machine's (GPU, SGLang),
+        # which no reload mends (`eagle3ctl retry` does).
+        self.supervisor.reconfigure(cfg.extract.engine_max_restarts, mended=False)
 
     def stop(self, deadline: float) -> None:
         """Let the engine finish what it holds (for up to its grace), stop it (its grace again),

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
+from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining, stage_failed
 from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
@@ -41,7 +41,9 @@ class GenerateStage:
         self.pid_dir = pid_dir
         self.child: Child | None = None
         self.server: Child | None = None
-        self.supervisor = Supervisor("[generate] max_restarts", cfg.generate.max_restarts)
+        self.supervisor = Supervisor("[generate] max_restarts", cfg.generate.max_restarts,
+                                     stage_failed(ledger, "generate_failed",
+                                                  "the generate stage stopped: %s"))
         # (time, conversations left to generate): the rate is how fast that falls.
         self.left: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -106,7 +108,7 @@ class GenerateStage:
             except ValueError as exc:
                 problem = f"[sglang] {exc}"
         if problem is not None:
-            self._failed(self.supervisor.terminal(problem))
+            self.supervisor.terminal(problem)
             return False
         self.server = Child("generation-server", argv, self.pid_dir, env=env)
         return True
@@ -131,22 +133,17 @@ class GenerateStage:
         if code == entry.OK:
             return
         self.ledger.event("generator_exit", f"{why}, {len(held)} conversations returned")
-        fatal = self.supervisor.exited(code, why)
-        if fatal is None:
+        if self.supervisor.exited(code, why) is None:
             log.warning("%s; %d conversations returned; restarting", why, len(held))
-        else:
-            self._failed(fatal)
-
-    def _failed(self, reason: str) -> None:
-        log.error("the generate stage stopped: %s", reason)
-        self.ledger.event("generate_failed", reason)
 
     def unblock(self, all_failed: bool) -> None:
         self.supervisor.clear()
 
     def reconfigure(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.supervisor.limit = cfg.generate.max_restarts
+        # A generator that keeps dying stays stopped: its failures are the machine's or a
+        # conversation's, which no reload mends (`eagle3ctl retry` does).
+        self.supervisor.reconfigure(cfg.generate.max_restarts, mended=False)
 
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": "running" if self.child else self.supervisor.state,

@@ -32,10 +32,6 @@ def planner_argv(cfg: Config) -> list[str]:
     return module_argv(cfg, "eagle3d.capture.planner")
 
 
-def _supervisor(cfg: Config) -> Supervisor:
-    return Supervisor("[data] planner_max_restarts", cfg.data.planner_max_restarts)
-
-
 class PlanStage:
     name = Stage.PLAN.value
     state_key = "planner"
@@ -45,7 +41,7 @@ class PlanStage:
         self.ledger = ledger
         self.pid_dir = pid_dir
         self.child: Child | None = None
-        self.supervisor = _supervisor(cfg)
+        self.supervisor = Supervisor("[data] planner_max_restarts", cfg.data.planner_max_restarts)
         # The config last judged against the capture contract, and the verdict: weighing the
         # target's weights reads a few MiB of each weight file, once per config in force.
         self._judged: tuple[Config, str | None] | None = None
@@ -111,9 +107,10 @@ class PlanStage:
         self.supervisor.clear()
 
     def reconfigure(self, cfg: Config) -> None:
-        """A new config may mend what stopped the planner: it tries again."""
+        """A new config may mend what stopped the planner (a contract, a data slice): it tries
+        again."""
         self.cfg = cfg
-        self.supervisor = _supervisor(cfg)
+        self.supervisor.reconfigure(cfg.data.planner_max_restarts, mended=True)
 
     def status(self) -> dict[str, Any]:
         return {"status": "running" if self.child is not None else self.supervisor.state,

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
+from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining, stage_failed
 from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config, in_force_check
@@ -64,8 +64,17 @@ class TrainStage:
         self.started_for = ""  # the manifest fingerprint current when the child started
         self.started_key = ""  # the [train] settings key the child trains with
         self.phase = "idle"  # idle | training | evaluating | stopping | done | failed
-        self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts)
+        self._record_failure = stage_failed(ledger, "train_failed", "%s")
+        self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts,
+                                     self._failed)
         self.disk_probed = False  # the dataset's read rate, checked once per daemon
+        self._set_aside: list[dict[str, Any]] | None = None  # the versions, read when asked
+        self._keys(cfg)
+
+    def _keys(self, cfg: Config) -> None:
+        """The [train] and [eval] settings keys, hashed once per config, not at every tick."""
+        self.key = train_files.train_key(cfg)
+        self.eval_key = train_files.eval_key(cfg)
 
     @property
     def dir(self) -> Path:
@@ -81,18 +90,18 @@ class TrainStage:
 
     def observe(self, seen: Seen) -> dict[str, Any]:
         held = self.ledger.meta(HELD_KEY)
-        return {"train_done": held in (None, train_files.train_key(self.cfg)) and
+        return {"train_done": held in (None, self.key) and
                 train_files.done_for(self.dir, seen.fingerprint and self.fingerprint(),
-                                     train_files.eval_key(self.cfg)),
+                                     self.eval_key),
                 "train_failed": self.failure}
 
     def _version(self) -> str:
         """The [train] settings key in force; the train folder's drafter is set aside when it
         was trained with others (and one trained with these comes back)."""
-        key = train_files.train_key(self.cfg)
-        held = self.ledger.meta(HELD_KEY)
+        key, held = self.key, self.ledger.meta(HELD_KEY)
         if held is not None and held != key:
             back = train_files.switch_version(self.dir, held, key)
+            self._set_aside = None  # one drafter set aside, another maybe back
             detail = (f"[train] settings {key} differ from the drafter's ({held}): it is kept in "
                       f"{layout.versions_dir(self.dir) / held}; " + (
                           f"the drafter of {key} is back" if back else f"training {key}"))
@@ -115,7 +124,7 @@ class TrainStage:
         if decision.stage != Stage.TRAIN:
             return
         fingerprint = self.fingerprint()
-        if self.child is not None and self.started_key != train_files.train_key(self.cfg):
+        if self.child is not None and self.started_key != self.key:
             self._leave(decision)  # a reload changed what the trainer would make: start over
             return
         if self.child is not None:
@@ -183,7 +192,7 @@ class TrainStage:
                             "exactly (see %s)", layout.eval_file(self.dir))
                 self.ledger.event("eval_not_greedy", f"see {layout.eval_file(self.dir)}")
             train_files.write_done(self.dir, fingerprint, result, self.started_key,
-                                   train_files.eval_key(self.cfg))
+                                   self.eval_key)
             self.phase = "done"
             said = f"acceptance length {result.get('acceptance_length', 0):.3f}"
             log.info("drafter %s done: %s", self.started_key, said)
@@ -199,17 +208,17 @@ class TrainStage:
             said += (f" (all {self.cfg.train.nnodes} nodes must take part: is "
                      "`eagle3d train-node` running on every other node?)")
         supervisor = self.supervisor
-        fatal = supervisor.exited(code, said)
-        if fatal is not None:
-            self.phase = "failed"
-            log.error("%s", fatal)
-            self.ledger.event("train_failed", fatal)
+        if supervisor.exited(code, said) is not None:
             return
         detail = (f"{said}: restarting from its last checkpoint in "
                   f"{supervisor.retry_at - time.time():.0f} s (restart {supervisor.restarts} of "
                   f"{supervisor.limit})")
         log.warning("%s", detail)
         self.ledger.event("train_restart", detail)
+
+    def _failed(self, reason: str) -> None:
+        self.phase = "failed"
+        self._record_failure(reason)
 
     def _refusal(self, name: str, code: int) -> train_files.Refused | None:
         """Why the child refused to run, if it did: what the trainer's refusing rank wrote down
@@ -226,9 +235,11 @@ class TrainStage:
             self.supervisor.clear()
 
     def reconfigure(self, cfg: Config) -> None:
-        """A new config may mend what stopped the trainer: it tries again."""
+        """A new config may mend what stopped the trainer (its [train] settings): it tries
+        again."""
         self.cfg = cfg
-        self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts)
+        self._keys(cfg)
+        self.supervisor.reconfigure(cfg.train.max_restarts, mended=True)
 
     def status(self) -> dict[str, Any]:
         progress = train_files.read_progress(self.dir)
@@ -248,9 +259,15 @@ class TrainStage:
         result = train_files.read_eval(self.dir)
         if result is not None:
             out["acceptance_length"] = result["acceptance_length"]
-        out["version"] = self.ledger.meta(HELD_KEY) or train_files.train_key(self.cfg)
-        out["versions"] = train_files.versions(self.dir)
+        out["version"] = self.ledger.meta(HELD_KEY) or self.key
+        out["versions"] = self._versions()
         return out
+
+    def _versions(self) -> list[dict[str, Any]]:
+        """The drafters set aside, listed again only after this stage moved one."""
+        if self._set_aside is None:
+            self._set_aside = train_files.versions(self.dir)
+        return self._set_aside
 
     def stop(self, deadline: float) -> None:
         """The trainer checkpoints on SIGTERM; then it, or the evaluation, is ended."""

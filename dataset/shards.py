@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout, manifest, shards
@@ -35,24 +35,51 @@ def union(parts: list[tuple[str, dict[str, Any]]], contract: dict[str, Any]) -> 
                         "samples": len(doc["samples"])} for name, doc in parts]}
 
 
+Stamp = tuple[int, int, int]
+
+
+def _stamp(path: Path) -> Stamp | None:
+    """What changes when a file is written again: rewritten in place, its (mtime_ns, size);
+    replaced by a rename, as the shards publish, its inode."""
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 class ShardSet:
-    """Every shard's published manifest, re-read only when its file changes (one lists every
-    sample of its shard)."""
+    """Every shard's published files, each re-read only when it changes (a manifest lists every
+    sample of its shard), and their union, joined again only when a manifest in it changed: a
+    gate that joins at every tick reads and builds nothing for an unchanged set."""
 
     def __init__(self, dataset_root: Path, count: int, contract: dict[str, Any]) -> None:
         self.folders = shards.all_folders(dataset_root, count)
         self.contract = contract
-        self._read: dict[str, tuple[int, dict[str, Any] | None]] = {}
+        self._read: dict[Path, tuple[Stamp, Any]] = {}
+        self._union: tuple[list[tuple[str, Stamp]], dict[str, Any]] | None = None
+        self.reads = 0  # files read (not found unchanged): what the cache saves shows here
 
-    def _manifest(self, name: str, folder: Path) -> dict[str, Any] | None:
-        try:
-            mtime = layout.manifest_file(folder).stat().st_mtime_ns
-        except FileNotFoundError:
-            return None
-        if self._read.get(name, (None,))[0] != mtime:
+    def _cached(self, path: Path, read: Callable[[], Any]) -> tuple[Stamp | None, Any]:
+        """(stamp, what `read` makes of the file), read again only when its stamp changed."""
+        stamp = _stamp(path)
+        if stamp is None:
+            self._read.pop(path, None)
+            return None, None
+        if path not in self._read or self._read[path][0] != stamp:
+            self.reads += 1
+            self._read[path] = (stamp, read())
+        return self._read[path]
+
+    def _manifest(self, folder: Path) -> tuple[Stamp | None, dict[str, Any] | None]:
+        def read() -> dict[str, Any] | None:
             doc = manifest.read(folder)
-            self._read[name] = (mtime, doc if doc and manifest.intact(doc) else None)
-        return self._read[name][1]
+            return doc if doc and manifest.intact(doc) else None
+        return self._cached(layout.manifest_file(folder), read)
+
+    def _state(self, folder: Path) -> dict[str, Any] | None:
+        path = layout.published_state(folder)
+        return self._cached(path, lambda: read_state(folder, path)[0])[1]
 
     def _refusal(self, index: int, doc: dict[str, Any]) -> str | None:
         recorded = doc.get("contract", {}).get("shard", {})
@@ -67,10 +94,10 @@ class ShardSet:
     def join(self, own: str = "") -> Join:
         """`own`: the training node's shard, whose completeness its own ledger judges."""
         now = time.time()
-        parts, waiting, refused = [], [], []
+        parts, stamps, waiting, refused = [], [], [], []
         for index, (name, folder) in enumerate(self.folders):
-            doc = self._manifest(name, folder)
-            state, _ = read_state(folder, layout.published_state(folder))
+            stamp, doc = self._manifest(folder)
+            state = self._state(folder)
             done = name == own or (state or {}).get("underlying") == "done"
             if doc is None or not done:
                 waiting.append(f"{name}: {shards.progress(state, now)}")
@@ -80,9 +107,12 @@ class ShardSet:
                 refused.append(f"{name}: {problem}")
             else:
                 parts.append((name, doc))
+                stamps.append((name, stamp))
         if waiting or refused:
             return Join(None, waiting, refused)
-        return Join(union(parts, self.contract), [], [])
+        if self._union is None or self._union[0] != stamps:
+            self._union = (stamps, union(parts, self.contract))
+        return Join(self._union[1], [], [])
 
 
 def samples_root(cfg: Config) -> Path:

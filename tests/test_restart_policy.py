@@ -157,3 +157,23 @@ def test_every_stage_has_the_one_shape(config_factory):
                 got = inspect.signature(getattr(type(stage), method))
                 assert list(got.parameters) == list(want.parameters), (stage.name, method)
             assert {"eta_s", "blocked"} <= set(stage.status()), stage.name
+
+
+# The event a stage's FATAL leaves for the operator (the planner's contract check records its
+# own), and whether a reload retries it: only where its failures come from its config.
+FATAL = {"plan": (None, True), "generate": ("generate_failed", False),
+         "extract": ("extract_failed", False), "train": ("train_failed", True)}
+
+
+@pytest.mark.parametrize("made", list(STAGES), indirect=True)
+def test_a_fatal_exit_is_recorded_once_and_a_reload_retries_what_a_config_mends(made, request):
+    case = made
+    case.crash(entry.REFUSED)
+    event, retried = FATAL[request.node.callspec.params["made"]]
+    recorded = case.stage.ledger.events_of([kind for kind, _ in FATAL.values() if kind])
+    assert [(kind, detail) for _, kind, detail in recorded] == \
+        ([] if event is None else [(event, case.stage.supervisor.fatal)])
+    case.stage.reconfigure(case.stage.cfg)
+    status = case.stage.status()
+    assert (case.stage.supervisor.state, bool(status["blocked"])) == \
+        (("stopped", False) if retried else ("fatal", True))

@@ -196,6 +196,39 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_pa
     assert "trains_elsewhere" in ShardGate(one).observe(seen)
 
 
+def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_tick(tmp_path):
+    """The gate joins at every tick: an unchanged set is read and joined once, and a manifest
+    published again (here of the same size and mtime, as a quick rewrite can be) at once."""
+    import os
+
+    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.dataset import contract
+    from eagle3d.statemachine.ledger import Counts
+    from eagle3d.statemachine.stages import Seen
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
+    root = tmp_path / "dataset"
+    for index in range(3):
+        publish(root, index, 3)
+    contract.write(cfg.paths.dataset_dir, {**CONTRACT, "shard": {"index": 0, "count": 3}})
+    gate, seen = ShardGate(cfg), Seen(Counts({"verified": 3}, {}, {}), "fp")
+    assert gate.observe(seen) == {}
+    first, reads, union = gate.fingerprint(), gate.set.reads, gate.last.manifest
+    for _ in range(3):
+        assert gate.observe(seen) == {} and gate.last.manifest is union
+    assert gate.set.reads == reads and gate.fingerprint() == first
+    folder = root / "shard-1-of-3"
+    path, doc = layout.manifest_file(folder), manifest.read(folder)
+    before = path.stat()
+    doc["samples"][0]["checksum"] = "cX0"
+    doc["fingerprint"] = manifest.fingerprint((s["id"], s["checksum"]) for s in doc["samples"])
+    manifest.write(folder, doc)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert path.stat().st_size == before.st_size
+    assert gate.observe(seen) == {} and gate.fingerprint() != first
+    assert gate.set.reads == reads + 1  # that manifest, and nothing else
+    assert {s["checksum"] for s in gate.last.manifest["samples"]} >= {"cX0"}
+
+
 def test_a_sharded_node_refuses_a_run_its_folders_cannot_hold(tmp_path):
     """A shard's folders hold one run: a config of another contract is refused with the way out,
     never laid out where the gate and status would not find it."""

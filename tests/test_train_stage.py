@@ -206,3 +206,24 @@ def test_an_evaluation_that_ends_after_the_manifest_changed_is_not_done(stage):
         ["train_stale"]
     stage.step(TRAIN)
     assert stage.child is not None and stage.child.name == "trainer"
+
+
+def test_a_tick_hashes_no_settings_and_lists_no_versions_folder(stage):
+    """The daemon ticks often: the [train] and [eval] keys are hashed once per config in force,
+    and the versions folder is listed once, then again only after the stage moved a drafter."""
+    stage, cfg, monkeypatch = stage
+    calls: list[str] = []
+    for name in ("train_key", "eval_key", "versions"):
+        real = getattr(train_files, name)
+        monkeypatch.setattr(train_files, name,
+                            lambda *args, real=real, name=name: calls.append(name) or real(*args))
+    for _ in range(3):
+        stage.observe(Seen(None, FINGERPRINT))
+        assert stage.status()["version"] == stage.key
+    assert calls == ["versions"]
+    stage.reconfigure(cfg)
+    assert calls == ["versions", "train_key", "eval_key"]
+    stage.ledger.set_meta(train_stage.HELD_KEY, "0" * 8)  # a drafter of other settings
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(0))
+    step_until_idle(stage)  # sets that drafter aside
+    assert [v["key"] for v in stage.status()["versions"]] == ["0" * 8]
