@@ -31,7 +31,6 @@ from eagle3d.statemachine.ledger import Ledger
 
 log = logging.getLogger("eagle3d")
 
-SHARD_SIZE = 1000
 KEEP_REJECTED_DATA = 16  # rejected dumps kept whole for inspection; later ones keep the reason
 
 
@@ -49,7 +48,7 @@ class Outcome:
 
 
 def shard_path(dataset_dir: Path, idx: int, sample_id: str) -> tuple[Path, str]:
-    rel = f"shard-{idx // SHARD_SIZE:05d}/{dumpformat.dump_name(sample_id)}"
+    rel = f"{layout.sample_folder(idx)}/{dumpformat.dump_name(sample_id)}"
     return dataset_dir / rel, rel
 
 
@@ -177,7 +176,7 @@ def remove_dataset_debris(dataset_dir: Path, ledger: Ledger) -> list[str]:
     removed = []
     if not dataset_dir.exists():
         return removed
-    for shard in dataset_dir.glob("shard-*"):
+    for shard in dataset_dir.glob(layout.SAMPLE_FOLDERS):
         for entry in os.scandir(shard):
             name = entry.name
             if name.startswith("."):

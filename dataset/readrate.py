@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 from eagle3d.dataset import contract as contract_mod
 from eagle3d.dataset.dumpformat import SUFFIX, bytes_per_token
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import FP8
 
 # (target hidden size, tokens/s one H200 trains its drafter at): SmolLM2-135M's full pipeline
@@ -40,7 +41,7 @@ def gpu_tokens_per_s(hidden_size: int) -> float:
 
 
 def dumps(dataset_dir: Path) -> Iterator[Path]:
-    return Path(dataset_dir).glob(f"shard-*/*{SUFFIX}")
+    return Path(dataset_dir).glob(f"{layout.SAMPLE_FOLDERS}/*{SUFFIX}")
 
 
 def probe(files: Iterator[Path], max_bytes: int = PROBE_BYTES,

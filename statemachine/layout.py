@@ -74,6 +74,17 @@ def contract_file(dataset_dir: Path) -> Path:
     return Path(dataset_dir) / "capture.toml"
 
 
+# Dumps sit in folders of SAMPLES_PER_FOLDER by ledger index, `shard-00042/`: a name older than
+# the shard folders of several nodes (`shard-1-of-3/`), so a glob for them names the five digits.
+SAMPLES_PER_FOLDER = 1000
+SAMPLE_FOLDERS = "shard-" + "[0-9]" * 5
+
+
+def sample_folder(idx: int) -> str:
+    """The dataset folder, relative to the dataset's, of the sample with this ledger index."""
+    return f"shard-{idx // SAMPLES_PER_FOLDER:05d}"
+
+
 def manifest_file(dataset_dir: Path) -> Path:
     """The verified samples training may read (statemachine/manifest.py)."""
     return Path(dataset_dir) / "manifest.json"

@@ -243,6 +243,17 @@ def test_debris_of_an_interrupted_ingest_is_removed(env):
     assert len(removed) == 2 and not list(shard.iterdir())
 
 
+def test_debris_removal_leaves_a_node_shards_folder_alone(env):
+    """A dataset folder that is also the shared root of several nodes' shards: another node's
+    publish in progress (a temp file at the top of `shard-1-of-3/`) is not this daemon's debris."""
+    ing, ledger, spool, samples = env
+    other = ing.dataset_dir / "shard-1-of-3"
+    other.mkdir(parents=True)
+    publishing = other / ".manifest.json.tmp"
+    publishing.write_bytes(b"another node writing")
+    assert remove_dataset_debris(ing.dataset_dir, ledger) == [] and publishing.exists()
+
+
 def test_a_flood_of_renames_is_never_missed(tmp_path):
     """More renames than inotify's default queue holds: the rescan catches what events miss."""
     spool = Path("/dev/shm") / f"eagle3d-flood-{uuid.uuid4().hex[:8]}"

@@ -32,7 +32,7 @@ def check_run(run: runs.Run) -> None:
     """Every sample of the run extracted once, its dataset holding its own contract's dumps
     only, one per sample."""
     doc = contract.read_checked(run.dataset_dir)
-    dumps = sorted(run.dataset_dir.glob(f"shard-*/*{dumpformat.SUFFIX}"))
+    dumps = sorted(run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"))
     headers = [dumpformat.read_header(p) for p in dumps]
     assert {h.contract for h in headers} == {doc["fingerprint"]}
     with Ledger(layout.ledger(run.state_dir), readonly=True) as ledger:
