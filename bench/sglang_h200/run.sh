@@ -15,6 +15,9 @@
 #   both      pipeline and target at once on the one GPU (each its own port, spool and
 #             servers), target's output in WORK/out/target.log: the full-scale comparison
 #   compare   the pipeline's dataset (the daemon's own SGLang dumps) vs transformers
+#   tree      the last run's drafter (target's where that step ran, else pipeline's) evaluated
+#             with SGLang's tree setting for Llama (5 steps, top-k 4, 8 draft tokens) and a chain
+#             of 3, beside the run's own chain of 4: WORK/out/eval-tree.json, eval-chain3.json
 #   serve     the exported drafter (target's where that step ran, else pipeline's) served by
 #             SGLang as an EAGLE-3 draft beside plain SGLang (serve.py), bf16
 #   serve-f32 the same in float32 (the target's greedy decoding, near-ties included)
@@ -43,6 +46,13 @@ arm() {  # pipeline|target PORT: the daemon's whole run, its figures in WORK/out
     "$work/model" "$conversations" "$work/$1" "${SERVER_ARGS[@]}"
   cp "$work/$1/summary.json" "$work/out/$1.json"
 }
+last_run() {  # target where that step ran, else pipeline
+  [ -e "$work/target/train/eval.json" ] && echo target || echo pipeline
+}
+evaluate() {  # NAME ARG...: the last run's drafter, eagle3d.drafter.evaluate's summary
+  python3 -m eagle3d.drafter.evaluate -c "$work/$(last_run)/sglang.toml" "${@:2}" \
+    --out "$work/out/eval-$1.json" | tail -n 4
+}
 mla_model() {  # the random DeepSeek-V3 model, with SmolLM2's tokenizer, made once
   [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
 }
@@ -64,7 +74,9 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
       arm pipeline 30555; wait $target ;;
     compare) python3 -m eagle3d.capture.sglang_smoke --dataset "$work/pipeline/sglang.toml" \
         --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
-    serve|serve-f32) run=$( [ -e "$work/target/train/eval.json" ] && echo target || echo pipeline )
+    tree) evaluate tree --steps 5 --topk 4 --num-draft-tokens 8
+      evaluate chain3 --steps 3 ;;
+    serve|serve-f32) run=$(last_run)
       python3 "$here/serve.py" "$work/$run/sglang.toml" "$work/out" \
         "$( [ "$step" = serve ] && echo bfloat16 || echo float32 )" "${SERVER_ARGS[@]}" ;;
     kernels) [ -e "$work/site/flashinfer/data" ] || tar xJf "${FI_DATA:?the path of fi-data.tar.xz}" -C "$work/site"
