@@ -91,8 +91,6 @@ class Daemon:
         self.cfg = runs.run_config(self.root_cfg, selected.run)
         prepare_dirs(self.cfg)
         write_in_force(self.cfg)  # before any child: children start from it, never from cfg.path
-        # eagle3ctl finds this daemon, and its run, by the editable file's path.
-        pointer.write(self.cfg.path, self.cfg.paths.state_dir)
         self.ledger = Ledger(layout.ledger(self.cfg.paths.state_dir))
         self.decision: Decision | None = None
         self.stage_since = time.time()
@@ -100,7 +98,6 @@ class Daemon:
             self.cfg, self.ledger, self.pid_dir, self.engine_factory, heartbeat=self.publish)
         self._registry_seen = -1.0
         self.note_set_aside()
-        self._last_state = 0.0
         log.info("run %s (%s) in %s", selected.run.id, "new" if selected.new else "resumed",
                  self.cfg.paths.dataset_dir)
         if selected.set_aside is not None:  # at a reload, or at a start with another contract
@@ -108,6 +105,12 @@ class Daemon:
                              f"{'started' if selected.new else 'resumed'}")
             log.info("runs: %s", self.switched)
             self.ledger.event("run_current", self.switched)
+        # eagle3ctl finds this daemon, and its run, by the editable file's path: only once the
+        # run's first state file is there, else a status taken between the two would read a run
+        # that 'has not started' while the daemon works on it.
+        self._last_state = 0.0
+        self.publish()
+        pointer.write(self.cfg.path, self.cfg.paths.state_dir)
 
     # ---- life cycle ---------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs
 from eagle3d.statemachine.config import load_config, load_in_force, write_in_force
 from eagle3d.statemachine.ledger import Ledger
-from tests.pipeline import ctl, edit_config
+from tests.pipeline import ctl, edit_config, status
 from tests.test_extract_stage import plan
 
 
@@ -146,5 +146,23 @@ def test_a_switch_to_a_new_run_that_cannot_fit_is_refused_with_the_figures(confi
         edit_config(path, "target", dtype="float32")
         daemon.reload()
         assert daemon.config_problem is None and daemon.current.id == first.id
+    finally:
+        daemon.ledger.close()
+
+
+def test_status_names_the_new_run_from_the_moment_a_reload_enters_it(config_factory):
+    """eagle3ctl follows the daemon into the run a reload switched to: never a moment where it
+    reads the new run's folder before the daemon has written its state there ('not started',
+    'not running', while the daemon works)."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    try:
+        first = daemon.current
+        assert status(path)["run"]["id"] == first.id
+        edit_config(path, "target", dtype="bfloat16")
+        daemon.reload()  # no tick after it: the first state file comes from entering the run
+        st = status(path)
+        assert daemon.current.id != first.id
+        assert st["run"]["id"] == daemon.current.id and st["daemon"]["alive"], st
     finally:
         daemon.ledger.close()
