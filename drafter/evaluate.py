@@ -593,6 +593,13 @@ def _summary(report: dict[str, Any], asked: int, skipped: dict[str, int]) -> str
         lo, hi = c["acceptance_length_ci95"]
         lines.append(f"  {category}: {c['acceptance_length']:.3f} ({lo:.3f}-{hi:.3f}, "
                      f"{c['prompts']} prompts)")
+    trained = report.get("trained_steps")
+    if trained is not None and d["steps"] > trained:
+        deeper = (f"step {d['steps']}" if d["steps"] == trained + 1
+                  else f"steps {trained + 1}-{d['steps']}")
+        lines.append(f"note: {d['steps']} draft steps, but training unrolled {trained} ([train] "
+                     f"ttt_steps): {deeper} draft at a depth the drafter never learned, and "
+                     f"accept less than they could")
     lines.append(f"identical to greedy decoding: {report['identical_to_greedy']}")
     return "\n".join(lines)
 
@@ -643,7 +650,8 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     report = evaluate(target, drafter, vocab, layer_ids, prompts.ids, d, max_new, eos,
                       args.batch_size or cfg.eval.batch_size, prompts.categories)
     report.update(drafter=str(drafter_dir), source=str(source), source_format=prompts.format,
-                  prompts_asked=prompts.asked, prompts_skipped=prompts.skipped)
+                  prompts_asked=prompts.asked, prompts_skipped=prompts.skipped,
+                  trained_steps=config["eagle3d"].get("ttt_steps"))  # None: older exports
     if args.out:
         train_files.write_eval(args.out, report)
     summary = _summary(report, prompts.asked, prompts.skipped)

@@ -24,8 +24,8 @@ CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
 
 
-def sglang_config(cfg: DraftConfig, contract_layer_ids: list[int],
-                  target_architecture: str) -> dict[str, Any]:
+def sglang_config(cfg: DraftConfig, contract_layer_ids: list[int], target_architecture: str,
+                  ttt_steps: int) -> dict[str, Any]:
     rope = dict(cfg.rope_parameters)
     rope_theta = rope.pop("rope_theta", 10000.0)
     # transformers 4.x (what SGLang runs on) reads rope_theta and rope_scaling; 5.x reads
@@ -59,8 +59,10 @@ def sglang_config(cfg: DraftConfig, contract_layer_ids: list[int],
                                                                        target_architecture),
             "use_aux_hidden_state": True,
         },
+        # ttt_steps: how many draft steps training unrolled, for eval to say when a drafting
+        # setting goes deeper than that.
         "eagle3d": {"contract_layer_ids": list(contract_layer_ids),
-                    "target_architecture": target_architecture},
+                    "target_architecture": target_architecture, "ttt_steps": ttt_steps},
     }
 
 
@@ -73,11 +75,11 @@ def export_tensors(model: Eagle3Drafter, vocab: DraftVocab) -> dict[str, torch.T
 
 
 def export(model: Eagle3Drafter, vocab: DraftVocab, contract: dict[str, Any],
-           out_dir: Path) -> Path:
+           out_dir: Path, ttt_steps: int) -> Path:
     """Write `out_dir` (config.json, model.safetensors) atomically: built in a temp folder and
     renamed into place, so a reader sees the old export or the new one."""
     out_dir = Path(out_dir)
-    config = sglang_config(model.cfg, contract["layer_ids"], contract["architecture"])
+    config = sglang_config(model.cfg, contract["layer_ids"], contract["architecture"], ttt_steps)
     # What a killed export left (another pid's temp or old folder): one trainer exports here.
     for stale in out_dir.parent.glob(f".{out_dir.name}.*"):
         shutil.rmtree(stale, ignore_errors=True)

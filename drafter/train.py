@@ -462,7 +462,8 @@ def finish(run: Run) -> None:
     if run.progress is not None:
         epochs = float(len(run.plans))
         run.progress.write(train_files.EXPORTING, step=run.step, epoch=epochs)
-        export(run.model, run.draft_vocab, run.contract, layout.export_dir(run.dir))
+        export(run.model, run.draft_vocab, run.contract, layout.export_dir(run.dir),
+               run.cfg.train.ttt_steps)
         metrics = layout.metrics_file(run.dir)
         plot_metrics(metrics, layout.metrics_plot(run.dir))
         last = json.loads(metrics.read_text().splitlines()[-1]) if metrics.stat().st_size else {}

@@ -204,7 +204,7 @@ def test_eval_of_an_mt_bench_file_as_a_tree_every_turn_keeps_greedy_output(echo,
     config = make_config(tmp_path, {"eval": {"max_new_tokens": 12}})
     export(echo.drafter, echo.vocab, {"layer_ids": [2, 15, 29],
                                       "architecture": "LlamaForCausalLM"},
-           layout.export_dir(tmp_path / "train"))
+           layout.export_dir(tmp_path / "train"), 2)
     questions = tmp_path / "question.jsonl"
     questions.write_text("".join(json.dumps(q) + "\n" for q in [
         {"question_id": 1, "category": "writing", "turns": ["Say ha ha ha.", "Once more."]},
@@ -222,3 +222,5 @@ def test_eval_of_an_mt_bench_file_as_a_tree_every_turn_keeps_greedy_output(echo,
         {"writing": 2, "math": 1}
     summary = _summary(report, 2, {})  # what the command prints without --json
     assert "top-k 4, 6 draft tokens (tree)" in summary and "  writing: " in summary
+    # 3 steps drafted by a drafter trained to unroll 2: the user is told which steps.
+    assert "training unrolled 2 ([train] ttt_steps): step 3 draft" in summary

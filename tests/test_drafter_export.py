@@ -49,7 +49,7 @@ def test_export_names_shapes_and_config_match_sglang(tmp_path):
     counts = torch.zeros(49152, dtype=torch.int64)
     counts[torch.arange(0, 49152, 37)] = 5
     vocab = from_counts(counts, 1000)
-    out = export(model, vocab, CONTRACT, tmp_path / "export")
+    out = export(model, vocab, CONTRACT, tmp_path / "export", 3)
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:

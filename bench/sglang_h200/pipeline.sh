@@ -16,7 +16,8 @@
 # conversations):
 # EPOCHS=20 MAX_STEPS=14400 INTERMEDIATE_SIZE=6144.
 # DUMP_DTYPE (default bfloat16) is [extract] dump_dtype; LOSS_ON (default answers) is [train]
-# loss_on. Two runs side by side on one GPU need their own PORT (default 30555); the spool is
+# loss_on; TTT_STEPS (default 3, what every recorded run used) is [train] ttt_steps: the chain of 4
+# and SGLang's tree of 5 steps draft deeper than 3. Two runs side by side on one GPU need their own PORT (default 30555); the spool is
 # named after OUTDIR, and each SGLang server takes mem_fraction of the GPU memory free when it
 # starts (SGLang sizes its cache that way).
 set -euo pipefail
@@ -60,7 +61,7 @@ spot_checks = 2
 [train]
 device = "cuda"
 draft_vocab = 8192
-ttt_steps = 3
+ttt_steps = ${TTT_STEPS:-3}
 loss_on = "${LOSS_ON:-answers}"
 epochs = ${EPOCHS:-3}
 max_steps = ${MAX_STEPS:-0}
