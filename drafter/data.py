@@ -101,9 +101,17 @@ def plan_epoch(lengths: list[int], batch_tokens: int, seed: int, epoch: int,
     return [shuffled[rank::world] for rank in range(world)]
 
 
-def remaining(plans: list[list[Planned]], epoch: int, pos: int,
-              count: int) -> Iterator[Planned]:
-    """`count` batches of the epochs' plans from batch `pos` of `epoch` on. The batches before
-    are skipped by their position: a resumed run reads none of them."""
-    start = sum(len(plan) for plan in plans[:epoch]) + pos
-    return itertools.islice(itertools.chain.from_iterable(plans), start, start + count)
+def position(plans: list[list[Planned]], step: int) -> tuple[int, int]:
+    """(epoch, batch within it) where step `step` of the epochs' plans stands; (epochs, 0) past
+    the last. A run keeps its step alone: this is where it stands in the data."""
+    for epoch, plan in enumerate(plans):
+        if step < len(plan):
+            return epoch, step
+        step -= len(plan)
+    return len(plans), 0
+
+
+def remaining(plans: list[list[Planned]], step: int, count: int) -> Iterator[Planned]:
+    """`count` batches of the epochs' plans from step `step` on. The batches before are skipped
+    by their position: a resumed run reads none of them."""
+    return itertools.islice(itertools.chain.from_iterable(plans), step, step + count)

@@ -598,8 +598,7 @@ def _summary(report: dict[str, Any], asked: int, skipped: dict[str, int]) -> str
         deeper = (f"step {d['steps']}" if d["steps"] == trained + 1
                   else f"steps {trained + 1}-{d['steps']}")
         lines.append(f"note: {d['steps']} draft steps, but training unrolled {trained} ([train] "
-                     f"ttt_steps): {deeper} draft at a depth the drafter never learned, and "
-                     f"accept less than they could")
+                     f"ttt_steps): {deeper} draft at a depth training never reached")
     lines.append(f"identical to greedy decoding: {report['identical_to_greedy']}")
     return "\n".join(lines)
 

@@ -155,12 +155,14 @@ def schedule(warmup: int, total: int):
     return factor
 
 
-def epoch_plans(cfg: Config, rt: Runtime, lengths: list[int]) -> list[list[data.Planned]]:
-    """This rank's batches for each epoch; a fractional last epoch is cut short."""
+def epoch_plans(cfg: Config, world: int, rank: int,
+                lengths: list[int]) -> list[list[data.Planned]]:
+    """Rank `rank`'s batches for each epoch of a `world`-process run; a fractional last epoch
+    is cut short. Every rank's epoch has as many batches: one step takes one of each."""
     plans = []
     for epoch in range(math.ceil(cfg.train.epochs)):
         plan = data.plan_epoch(lengths, cfg.train.batch_tokens, cfg.train.seed, epoch,
-                               rt.world)[rt.rank]
+                               world)[rank]
         fraction = min(1.0, cfg.train.epochs - epoch)
         plans.append(plan[:max(1, round(fraction * len(plan)))])
     return plans
@@ -270,7 +272,7 @@ class Run:
         self.paths = data.sample_paths(manifest, shards.samples_root(cfg))
         self.lengths = [s["tokens"] for s in manifest["samples"]]
         self.progress = train_files.ProgressWriter(self.dir, self.fingerprint) if rt.main else None
-        self.step = self.epoch = self.pos = 0
+        self.step = 0  # where it stands in the data too: data.position
 
 
 def agreed_job(cfg: Config, rt: Runtime) -> None:
@@ -348,7 +350,7 @@ def setup(cfg: Config, rt: Runtime) -> Run:
     del embed, head
     run.ddp = data_parallel(run.model, rt.device) if rt.world > 1 else run.model
     run.optimizer = make_optimizer(run.model, cfg.train.lr, cfg.train.weight_decay)
-    run.plans = epoch_plans(cfg, rt, run.lengths)
+    run.plans = epoch_plans(cfg, rt.world, rt.rank, run.lengths)
     run.total = sum(len(p) for p in run.plans)
     if cfg.train.max_steps:
         run.total = min(run.total, cfg.train.max_steps)
@@ -370,17 +372,20 @@ def resume(run: Run) -> None:
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])
-        run.step, run.epoch, run.pos = state["step"], state["epoch"], state["pos"]
+        run.step = state["step"]
         if state["world"] != rt.world:
-            # Ranks take the epoch's batches in turn: pos·world batches of it are trained. A
-            # step is a round of this world's batches: the step count and the schedule follow.
-            run.pos = run.pos * state["world"] // rt.world
-            run.step = sum(len(plan) for plan in run.plans[:run.epoch]) + run.pos
+            # Ranks take the epoch's batches in turn: pos·world batches of it are trained, pos
+            # counted in the saved world's plans. A step is a round of this world's batches:
+            # the step count and the schedule follow.
+            epoch, pos = data.position(epoch_plans(run.cfg, state["world"], 0, run.lengths),
+                                       run.step)
+            pos = pos * state["world"] // rt.world
+            run.step = sum(len(plan) for plan in run.plans[:epoch]) + pos
             run.scheduler.last_epoch = run.step
             if rt.main:
                 log.warning("resuming a %d-process run with %d processes: epoch %d goes on "
                             "from batch %d of its order, as step %d", state["world"], rt.world,
-                            run.epoch, run.pos * rt.world, run.step)
+                            epoch, pos * rt.world, run.step)
         restore_rng(rt, state["rng"])
         if rt.main:
             log.info("resuming at step %d of %d", run.step, run.total)
@@ -393,8 +398,8 @@ def save_checkpoint(run: Run) -> None:
     if run.rt.main:
         checkpoint.save(layout.checkpoint_dir(run.dir), run.step, {
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-            "scheduler": run.scheduler.state_dict(), "step": run.step, "epoch": run.epoch,
-            "pos": run.pos, "world": run.rt.world, "rng": rng,
+            "scheduler": run.scheduler.state_dict(), "step": run.step,
+            "world": run.rt.world, "rng": rng,
             "manifest_fingerprint": run.fingerprint, "draft_config": run.model.cfg.to_dict(),
             "schedule": checkpoint.schedule(run.cfg.train)})
     if run.rt.world > 1:
@@ -411,8 +416,7 @@ def train_loop(run: Run) -> bool:
                                                    contract_mod.dump_dtype(run.contract)
                                                    or "bfloat16"))
     # This rank's batches from where the run stands to its last step.
-    loader = reader.batches(run.paths, data.remaining(run.plans, run.epoch, run.pos,
-                                                      run.total - run.step),
+    loader = reader.batches(run.paths, data.remaining(run.plans, run.step, run.total - run.step),
                             rt.device, answers_only=cfg.train.loss_on == "answers")
     pending: StepFigures | None = None  # the step before, not yet reported
     try:
@@ -425,11 +429,9 @@ def train_loop(run: Run) -> bool:
                                                        cfg.train.grad_clip)
             lr = run.scheduler.get_last_lr()[0]
             run.scheduler.step()
-            run.step, run.pos = run.step + 1, run.pos + 1
-            if run.pos == len(run.plans[run.epoch]):
-                run.epoch, run.pos = run.epoch + 1, 0
-            epoch = (run.epoch + run.pos / len(run.plans[run.epoch])
-                     if run.epoch < len(run.plans) else float(len(run.plans)))
+            run.step += 1
+            at, pos = data.position(run.plans, run.step)
+            epoch = at + pos / len(run.plans[at]) if at < len(run.plans) else float(at)
             figures = StepFigures.send(rt.device, rt.world, run.step, epoch, lr, started,
                                        per_step, correct, counted, batch.tokens,
                                        stop.requested, waited)

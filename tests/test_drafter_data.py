@@ -146,11 +146,12 @@ def test_a_resume_skips_the_trained_batches_without_reading_them(samples, tmp_pa
     """The dumps of the batches before the resume's place are gone: nothing asks for them."""
     paths, lengths = samples
     plans = [data.plan_epoch(lengths, 1024, seed=0, epoch=e, world=1)[0] for e in range(2)]
-    epoch, pos = 1, 4
-    later = plans[1][pos:]
+    step = len(plans[0]) + 4  # the fifth batch of the second epoch
+    assert data.position(plans, step) == (1, 4)
+    later = plans[1][4:]
     needed = {i for planned in later for i in planned.indices}
     gone = [p if i in needed else tmp_path / "gone.safetensors" for i, p in enumerate(paths)]
-    resumed = data.remaining(plans, epoch, pos, len(later))
+    resumed = data.remaining(plans, step, len(later))
     got = as_read(gone, resumed)
     assert len(got) == len(later)
     for planned, batch in zip(later, got):
