@@ -16,10 +16,13 @@ about sharding. The split is by content hash, not by size, so a small slice divi
 each shard's share of the tokens is printed, and the ratio a perfect split would give beside it.
 
     .venv/bin/python bench/shards.py [--limit 2000] [--cores 4] [--dir /var/tmp]
-                                     [--model GGUF_OR_FOLDER] [--source CONVERSATIONS]
+                                     [--model GGUF_OR_FOLDER] [--source CONVERSATIONS] [--quick]
 
 --model and --source default to the PyPI packages' files; a machine without them (the GPU
-machine, which has no network) names its own copies.
+machine, which has no network) names its own copies. `--quick` is a smoke run on any machine
+(60 conversations, so that each shard plans a few samples; one core each, shared where the
+machine has fewer than four): it tells that the bench works before a machine's time is spent
+on it, nothing about sharding.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def config(root: Path, name: str, args: argparse.Namespace, spool: Path,
         data.update(shards=SHARDS, shard=shard)
     path = root / f"{name}{'' if shard is None else shard}.toml"
     path.write_text(tomli_w.dumps({
-        "target": {"model": args.model, "engine": "transformers", "dtype": "float32", "device": "cpu"},
+        "target": {"model": args.model, "engine": "transformers", "dtype": "float32",
+                   "device": "cpu"},
         "data": data,
         "paths": {k: str(root / name / k.removesuffix("_dir")) for k in
                   ("state_dir", "dataset_dir", "train_dir")} | {"spool_dir": str(spool / name)},
@@ -133,9 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--spool-dir", default="/dev/shm", help="tmpfs folder for the spools")
     ap.add_argument("--model", default=MODEL, help=f"the target (default {MODEL})")
     ap.add_argument("--source", default=SOURCE, help=f"the conversations (default {SOURCE})")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 60 conversations, 1 core each (shared if need be)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.limit, args.cores = 60, 1
     c = args.cores
-    if os.cpu_count() < (SHARDS + 1) * c:
+    if os.cpu_count() < (SHARDS + 1) * c and not args.quick:
         raise SystemExit(f"needs {(SHARDS + 1) * c} cores ({SHARDS + 1} daemons x {c}), "
                          f"this machine has {os.cpu_count()}: lower --cores")
     with tempfile.TemporaryDirectory(prefix="eagle3d-bench-shards-", dir=args.dir) as disk, \
@@ -148,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             daemons.start(f"shard {i}", config(root, "sharded", args, spool, i),
                           _cores(f"shard {i}", c))
         try:
-            while "single" not in daemons.walls:
+            # Until every side is done: a shard outlasting the single daemon is a result too.
+            while not {"single", *(f"shard {i}" for i in range(SHARDS))} <= daemons.walls.keys():
                 for name in daemons.poll():
-                    if name.startswith("shard"):
+                    if name.startswith("shard") and "single" not in daemons.walls:
                         i = int(name.split()[1])
                         daemons.start(f"ballast {i}", config(root, f"ballast{i}", args, spool,
                                                              None), _cores(name, c))
@@ -158,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             daemons.stop()
         shares = token_shares(root)
-    walls = {name: wall for name, wall in daemons.walls.items() if not name.startswith("ballast")}
+    walls = {name: daemons.walls[name] for name in ("single", *(f"shard {i}"
+                                                               for i in range(SHARDS)))}
     for name, wall in walls.items():
         cores = _cores(name, c)
         share = "" if name == "single" else f", {shares[int(name.split()[1])]:.1%} of the tokens"
@@ -167,13 +177,18 @@ def main(argv: list[str] | None = None) -> int:
     ratio = sharded / walls["single"]
     print(f"a perfect split would give {ratio / (max(shares) * SHARDS):.2f} (the largest shard "
           f"holds {max(shares):.1%} of the tokens, not {1 / SHARDS:.1%})")
+    verdict = ("smoke run, too small to judge" if args.quick else
+               "met" if ratio <= GOAL else "NOT met")
     print(f"{SHARDS} shards / one daemon extraction wall time, {args.limit} conversations, "
-          f"{c} cores each: {ratio:.2f} (goal <= {GOAL}: {'met' if ratio <= GOAL else 'NOT met'})")
+          f"{c} cores each: {ratio:.2f} (goal <= {GOAL}: {verdict})")
     return 0
 
 
 def _cores(name: str, c: int) -> range:
+    """The single daemon's cores come first, then each shard's (and its ballast's); a smoke
+    run on a small machine wraps around its cores."""
     first = 0 if name == "single" else (int(name.split()[1]) + 1) * c
+    first %= max(1, (os.cpu_count() or 1) - c + 1)
     return range(first, first + c)
 
 

@@ -10,12 +10,16 @@ start compiles them). Judged, printed last:
     ratio = median over pairs of (eagle3ctl status wall time / python -c pass wall time)
                                                                         (goal <= 2)
 
+`--idle` keeps the heartbeat alone, with no ingest: the machine at rest, where each start's
+imports and teardown are not hidden behind waits for the cores.
+
 Bytecode lives in a private PYTHONPYCACHEPREFIX, as an installed package has its .pyc files. Each
 process's CPU time is printed beside its wall time: it barely moves when other work competes for
 the cores, so it tells a real change from noise. `--python` times another environment's Python
 and eagle3ctl (e.g. a venv with a non-editable install).
 
-    .venv/bin/python bench/status.py [--samples 100000] [--runs 40] [--python PY] [--quick]
+    .venv/bin/python bench/status.py [--samples 100000] [--runs 40] [--python PY] [--idle]
+                                     [--quick]
 """
 
 from __future__ import annotations
@@ -76,9 +80,9 @@ def daemon_state(ledger: Ledger, root: Path, started: float) -> dict:
 
 
 def ingest_load(rig: IngestRig, threads: int, state_dir: Path, stop: multiprocessing.Event,
-                passes: "multiprocessing.Value") -> None:
-    """The background process: ingest the rig's dumps over and over, and keep state.toml's
-    heartbeat fresh the way the daemon does."""
+                passes: "multiprocessing.Value", idle: bool) -> None:
+    """The background process: keep state.toml's heartbeat fresh the way the daemon does, and
+    unless `idle`, ingest the rig's dumps over and over."""
     started = time.time()
 
     def heartbeat() -> None:
@@ -89,6 +93,8 @@ def ingest_load(rig: IngestRig, threads: int, state_dir: Path, stop: multiproces
 
     beat = threading.Thread(target=heartbeat, daemon=True)
     beat.start()
+    if idle:
+        beat.join()
     while not stop.is_set():
         rig.fill_spool()
         rig.ingest_pass(threads)
@@ -129,11 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default=sys.executable,
                     help="the Python to time, with its eagle3ctl beside it (default: this one; "
                          "e.g. a venv with a non-editable install)")
+    ap.add_argument("--idle", action="store_true",
+                    help="no ingest load: the heartbeat alone, the machine at rest")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2k rows, tiny load, 4 runs")
     args = ap.parse_args(argv)
     samples, runs, load_gb, min_mb, max_mb = args.samples, args.runs, args.load_gb, 5, 100
     if args.quick:
         samples, runs, load_gb, min_mb, max_mb = 2000, 4, 0.02, 1, 4
+    if args.idle:  # the rig is built as ever but never runs: its smallest
+        load_gb, min_mb, max_mb = 0.02, 1, 4
     python = args.python
     ctl = os.path.join(os.path.dirname(python), "eagle3ctl")
 
@@ -151,8 +161,9 @@ def main(argv: list[str] | None = None) -> int:
                             int(max_mb * 1e6 / BYTES_PER_TOKEN))
         rig = IngestRig(dumps, Path(shm) / "spool", root / "dataset", layout.ledger(state_dir),
                         RIG_FIRST_IDX)
-        print(f"ledger {samples:,} rows + {len(dumps)} dumps ({rig.nbytes / 1e9:.2f} GB) "
-              f"ingested in a loop by {args.threads} threads; set up in "
+        load_text = ("no ingest (--idle)" if args.idle else f"{len(dumps)} dumps "
+                     f"({rig.nbytes / 1e9:.2f} GB) ingested in a loop by {args.threads} threads")
+        print(f"ledger {samples:,} rows + {load_text}; set up in "
               f"{time.perf_counter() - start:.0f} s", flush=True)
 
         env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
@@ -167,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         fork = multiprocessing.get_context("fork")
         stop, passes = fork.Event(), fork.Value("i", 0)
-        load = fork.Process(target=ingest_load, args=(rig, args.threads, state_dir, stop, passes))
+        load = fork.Process(target=ingest_load, args=(rig, args.threads, state_dir, stop, passes,
+                                                        args.idle))
         load.start()
         try:
             wait_for_state(state_dir)
@@ -187,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
                 if not load.is_alive():
                     raise RuntimeError("the ingest load process died")
             loaded = (passes.value - passes_before) * rig.nbytes
-            print(f"meanwhile the load ingested {loaded / 1e9:.2f} GB "
-                  f"({loaded / (time.perf_counter() - start) / 1e9:.2f} GB/s)")
+            if not args.idle:
+                print(f"meanwhile the load ingested {loaded / 1e9:.2f} GB "
+                      f"({loaded / (time.perf_counter() - start) / 1e9:.2f} GB/s)")
         finally:
             stop.set()
             load.join(60)  # it finishes its pass: at most seconds
@@ -204,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<28}{statistics.median(ts) * 1e3:>10.1f}{min(ts) * 1e3:>8.1f}"
               f"{max(ts) * 1e3:>8.1f}{ratios[name]:>7.2f}{used * 1e3:>8.1f}"
               f"{used / base_cpu:>10.2f}")
-    print(f"eagle3ctl status / python -c pass wall time, median of {runs} pairs under ingest "
-          f"load: {judged(ratios['eagle3ctl status'], args.quick)}")
+    print(f"eagle3ctl status / python -c pass wall time, median of {runs} pairs "
+          f"{'at rest' if args.idle else 'under ingest load'}: "
+          f"{judged(ratios['eagle3ctl status'], args.quick)}")
     return 0
 
 

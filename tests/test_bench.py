@@ -16,9 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_bench(script: str, *args: str) -> list[str]:
+def run_bench(script: str, *args: str, timeout: float = 300) -> list[str]:
     out = subprocess.run([sys.executable, str(ROOT / "bench" / script), *args], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+                         capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip().splitlines()
 
@@ -53,6 +53,10 @@ def test_status_bench_runs_under_a_live_ingest_load(tmp_path, shm):
     loaded = next(line for line in lines if line.startswith("meanwhile the load ingested"))
     assert float(loaded.split()[4]) > 0, "the background ingest load ingested nothing"
     assert not list(tmp_path.iterdir()) and not list(shm.iterdir())
+    lines = run_bench("status.py", "--quick", "--idle", "--dir", str(tmp_path), "--spool-dir",
+                      str(shm))
+    assert "pairs at rest" in lines[-1] and ratio(lines[-1], "eagle3ctl status / python") > 0
+    assert not any(line.startswith("meanwhile the load ingested") for line in lines)
 
 
 def test_verify_and_ledger_benches_still_run(tmp_path):
@@ -113,3 +117,17 @@ def test_shard_status_bench_times_the_training_nodes_status(tmp_path):
     lines = run_bench("shard_status.py", "--quick", "--dir", str(tmp_path))
     assert ratio(lines[-1], "eagle3ctl status over 3 shards x 2,000 samples") > 0
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_shards_bench_runs_all_four_daemons_and_judges_nothing_from_a_smoke_run(tmp_path, shm):
+    """The bench runs on any machine before a 16-core machine's time is spent on it: one daemon
+    and three shards, ballast on the cores of a shard that finished first."""
+    lines = run_bench("shards.py", "--quick", "--dir", str(tmp_path), "--spool-dir", str(shm),
+                      timeout=900)
+    assert lines[-1].endswith("(goal <= 0.4: smoke run, too small to judge)"), lines[-1]
+    assert [line.split(maxsplit=2)[:2] for line in lines[1:4]] == \
+        [["shard", str(i)] for i in range(3)] and lines[0].startswith("single ")
+    shares = [float(line.split(", ")[1].split("%")[0]) for line in lines[1:4]]
+    assert abs(sum(shares) - 100) < 0.5
+    assert not list(tmp_path.iterdir()) and not list(shm.iterdir())
