@@ -14,6 +14,7 @@ its own, killed when the single daemon ends); without it the single daemon ran i
 alone, 1.76x as fast (H200 machine, 2026-12-04), and the ratio said more about one host than
 about sharding. The split is by content hash, not by size, so a small slice divides unevenly:
 each shard's share of the tokens is printed, and the ratio a perfect split would give beside it.
+So is each daemon's first dump's delay (its fixed start) and its pace after it, from its ledger.
 
     .venv/bin/python bench/shards.py [--limit 2000] [--cores 4] [--dir /var/tmp]
                                      [--model GGUF_OR_FOLDER] [--source CONVERSATIONS] [--quick]
@@ -34,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import tomli_w
 
@@ -116,14 +118,26 @@ class Daemons:
                 proc.wait()
 
 
-def token_shares(root: Path) -> list[float]:
-    """Each shard's share of the slice's planned tokens, from its ledger."""
-    tokens = []
-    for i in range(SHARDS):
-        state = shard_folder(root / "sharded" / "state", Shard(i, SHARDS))
-        with Ledger(layout.ledger(state), readonly=True) as ledger:
-            tokens.append(ledger.counts().total_tokens)
-    return [t / sum(tokens) for t in tokens]
+class Profile(NamedTuple):
+    """One daemon's extraction from its ledger: its planned tokens, the seconds from the bench's
+    start to its first dump (start, plan, model load, first forward), and its pace after that."""
+    tokens: int
+    first_dump_s: float
+    tokens_per_s: float
+
+
+def profile(state: Path, started: float) -> Profile:
+    with Ledger(layout.ledger(state), readonly=True) as ledger:
+        tokens, extractions = ledger.counts().total_tokens, ledger.extractions()
+    (first, _), (last, _) = extractions[0], extractions[-1]
+    after_first = sum(n for _, n in extractions[1:])
+    return Profile(tokens, first - started, after_first / max(last - first, 1e-9))
+
+
+def state_folder(root: Path, name: str) -> Path:
+    if name == "single":
+        return root / "single" / "state"
+    return shard_folder(root / "sharded" / "state", Shard(int(name.split()[1]), SHARDS))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="eagle3d-bench-shards-", dir=args.dir) as disk, \
             tempfile.TemporaryDirectory(prefix="eagle3d-bench-shards-", dir=args.spool_dir) as shm:
         root, spool = Path(disk), Path(shm)
+        started = time.time()
         daemons = Daemons(root, c)
         daemons.start("single", config(root, "single", args, spool, None), range(0, c))
         for i in range(SHARDS):
@@ -166,14 +181,19 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
         finally:
             daemons.stop()
-        shares = token_shares(root)
-    walls = {name: daemons.walls[name] for name in ("single", *(f"shard {i}"
-                                                               for i in range(SHARDS)))}
+        names = ("single", *(f"shard {i}" for i in range(SHARDS)))
+        profiles = {name: profile(state_folder(root, name), started) for name in names}
+    walls = {name: daemons.walls[name] for name in names}
+    sharded_tokens = sum(profiles[name].tokens for name in names[1:])
+    shares = [profiles[name].tokens / sharded_tokens for name in names[1:]]
+    # The first dump's delay and the pace after it separate a daemon's fixed start from its
+    # throughput: the two things a ratio above 1/SHARDS can come from, besides the split.
     for name, wall in walls.items():
-        cores = _cores(name, c)
-        share = "" if name == "single" else f", {shares[int(name.split()[1])]:.1%} of the tokens"
-        print(f"{name:<10} {wall:8.1f} s  (cores {cores.start}-{cores.stop - 1}{share})")
-    sharded = max(walls[f"shard {i}"] for i in range(SHARDS))
+        cores, p = _cores(name, c), profiles[name]
+        share = "" if name == "single" else f", {shares[names.index(name) - 1]:.1%} of the tokens"
+        print(f"{name:<10} {wall:8.1f} s  (cores {cores.start}-{cores.stop - 1}{share}; first "
+              f"dump after {p.first_dump_s:.0f} s, then {p.tokens_per_s:,.0f} tokens/s)")
+    sharded = max(walls[name] for name in names[1:])
     ratio = sharded / walls["single"]
     print(f"a perfect split would give {ratio / (max(shares) * SHARDS):.2f} (the largest shard "
           f"holds {max(shares):.1%} of the tokens, not {1 / SHARDS:.1%})")

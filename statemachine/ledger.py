@@ -274,6 +274,12 @@ class Ledger:
             f"SELECT seq, kind, detail FROM events WHERE seq < ? AND kind IN ({marks}) "
             "ORDER BY seq DESC LIMIT 1", (before, *kinds)).fetchone()
 
+    def extractions(self) -> list[tuple[float, int]]:
+        """(time, tokens) of every sample's extraction, oldest first: a run's pace over time."""
+        return self.db.execute(
+            "SELECT e.t, s.tokens FROM events e JOIN samples s ON s.id = e.sample "
+            "WHERE e.kind = 'extracted' ORDER BY e.seq").fetchall()
+
     def recent_events(self, limit: int = 20) -> list[tuple[float, str, str | None, str]]:
         rows = self.db.execute("SELECT t, kind, sample, detail FROM events ORDER BY seq DESC "
                                "LIMIT ?", (limit,)).fetchall()

@@ -130,4 +130,6 @@ def test_shards_bench_runs_all_four_daemons_and_judges_nothing_from_a_smoke_run(
         [["shard", str(i)] for i in range(3)] and lines[0].startswith("single ")
     shares = [float(line.split(", ")[1].split("%")[0]) for line in lines[1:4]]
     assert abs(sum(shares) - 100) < 0.5
+    # Each daemon's fixed start and pace, from its ledger: what separates cost from split.
+    assert all(" first dump after " in line and line.endswith(" tokens/s)") for line in lines[:4])
     assert not list(tmp_path.iterdir()) and not list(shm.iterdir())
