@@ -5,14 +5,15 @@ usable conversation (its token ids and loss mask, as the target's tokenizer and 
 produce them) and one `skipped` row, with the reason, per conversation that cannot be used. Every
 source index in the slice ends up in exactly one of the two, so the counts always add up.
 Where the target writes the answers ([data] responses = "target"), a conversation is planned as
-an `ungenerated` sample holding its system and user turns; the generator (capture/generator.py)
-writes the assistant turns and tokenizes the result with `plan_batch`, as here.
+an `ungenerated` sample holding its system and user turns, [generate] answers times (each its
+own sample, `row_index`); the generator (capture/generator.py) writes the assistant turns and
+tokenizes the result with `plan_batch`, as here.
 
 It also writes the dataset's capture contract (`<dataset_dir>/capture.toml`) on first run, and
 refuses (CONTRACT_MISMATCH) to plan into a dataset whose contract differs from the config's.
 
 Resumable: each batch of ~256 conversations is one ledger transaction, and a restart begins after
-the highest source index already recorded. The daemon reads progress from the ledger meta keys
+the highest source index already recorded (all of a conversation's answers are in one batch). The daemon reads progress from the ledger meta keys
 `plan.*`; this process never decides on its own that the plan is complete.
 
 Exit codes (statemachine/entry.py): OK, REFUSED (bad config or unreadable input),
@@ -269,10 +270,11 @@ def plan_batch(tokenizer: Any, convs: Sequence[Conversation],
     return samples, skipped
 
 
-def plan_prompts(tokenizer: Any, convs: Sequence[Conversation],
-                 max_tokens: int) -> tuple[list[Prompt], list[tuple[int, str]]]:
+def plan_prompts(tokenizer: Any, convs: Sequence[Conversation], max_tokens: int,
+                 answers: int = 1) -> tuple[list[Prompt], list[tuple[int, str]]]:
     """Where the target writes the answers: each conversation's system and user turns, kept for
-    the generator, or (index, reason) skips; every conversation lands in one of the two."""
+    the generator `answers` times, or one (index, reason) skip; every conversation lands in one
+    of the two. The rows' indices are row_index(source index, answer)."""
     prompts: list[Prompt] = []
     skipped: list[tuple[int, str]] = []
     for conv in convs:
@@ -293,8 +295,22 @@ def plan_prompts(tokenizer: Any, convs: Sequence[Conversation],
         if not room_for_answer(n, max_tokens):
             skipped.append((conv.idx, f"first prompt over max_tokens ({n} tokens)"))
             continue
-        prompts.append(Prompt(sample_id(kept), conv.idx, json.dumps(kept, ensure_ascii=False)))
-    return prompts, skipped
+        turns, first_id = json.dumps(kept, ensure_ascii=False), sample_id(kept)
+        prompts += [Prompt(answer_id(first_id, k), row_index(conv.idx, answers, k), turns)
+                    for k in range(answers)]
+    return prompts, [(row_index(idx, answers), why) for idx, why in skipped]
+
+
+def row_index(source_idx: int, answers: int, answer: int = 0) -> int:
+    """A ledger row's index: its conversation's source index, spread over [generate] answers
+    rows, so that each answer of a conversation is a sample of its own, in source order. With
+    one answer (every dataset written before answers existed) it is the source index."""
+    return source_idx * answers + answer
+
+
+def answer_id(first_id: str, answer: int) -> str:
+    """The sample id of a conversation's answer: the first keeps the conversation's own id."""
+    return first_id if answer == 0 else digests.hex_digest(f"{first_id} answer {answer}".encode())
 
 
 def _encode(backend: Any, texts: list[str], offsets: bool) -> list[Any]:
@@ -320,7 +336,8 @@ def _encode(backend: Any, texts: list[str], offsets: bool) -> list[Any]:
 def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
     data = cfg.data
     end = data.first + data.limit
-    start = max(data.first, ledger.max_idx() + 1)
+    answers = cfg.generate.answers  # 1 unless the target writes the answers (config checks it)
+    start = max(data.first, ledger.max_idx() // answers + 1)
     recorded = PlanMeta(source=data.source, first=data.first, max_tokens=data.max_tokens,
                         responses=data.responses, bytes_per_token=dumpformat.bytes_per_token(
                             hidden_size, cfg.extract.dump_dtype))
@@ -338,13 +355,13 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
         meta = recorded._replace(through=through, exhausted=exhausted).entries()
         # A duplicate conversation is recorded by the ledger as skipped, not as a sample.
         if data.responses == "target":
-            prompts, skips = plan_prompts(tokenizer, batch, data.max_tokens)
-            added = ledger.add_prompts(prompts, skips, meta)
+            rows, skips = plan_prompts(tokenizer, batch, data.max_tokens, answers)
+            added = ledger.add_prompts(rows, skips, meta)
         else:
-            samples, skips = plan_batch(tokenizer, batch, data.max_tokens)
-            added = ledger.add_planned(samples, skips, meta)
+            rows, skips = plan_batch(tokenizer, batch, data.max_tokens)
+            added = ledger.add_planned(rows, skips, meta)
         planned += added
-        skipped += len(batch) - added
+        skipped += len(skips) + len(rows) - added  # the duplicates among the rows too
         batch.clear()
 
     for conv in iter_conversations(data.source_path, data.format, start, end - start):

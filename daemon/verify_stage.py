@@ -180,7 +180,8 @@ class SpotCheck:
             problem = compare_dumps(self.cfg.paths.dataset_dir / s.path, path,
                                     self.cfg.verify.spot_tolerance)
             if problem:
-                problems.append(f"sample {s.id} (source index {s.idx}): {problem}")
+                source_idx = s.idx // self.cfg.generate.answers  # planner.row_index
+                problems.append(f"sample {s.id} (source index {source_idx}): {problem}")
         self._record(not problems, "; ".join(problems) or f"{len(fresh)} samples match")
 
     def _record(self, ok: bool, detail: str) -> None:

@@ -113,6 +113,7 @@ class GenerateConfig(NamedTuple):
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
     seed: int = 0
+    answers: int = 1  # answers written per conversation (sampled: temperature above 0)
     batch_size: int = 32  # conversations generated together
     max_attempts: int = 3
     max_restarts: int = 5  # of the generator (and its SGLang server)
@@ -221,6 +222,8 @@ class Config(NamedTuple):
             g = self.generate
             keys.update(max_new_tokens=g.max_new_tokens, max_turns=g.max_turns,
                         temperature=g.temperature, top_p=g.top_p, seed=g.seed)
+            if g.answers > 1:  # left out at 1: the datasets written before it keep their key
+                keys["answers"] = g.answers
         return keys
 
 
@@ -457,6 +460,20 @@ def _shard(chk: _Checker, data: DataConfig, paths: PathsConfig,
                                    for k in shards.SHARDED_PATHS})
 
 
+def _check_answers(chk: _Checker, data: DataConfig, generate: GenerateConfig) -> None:
+    """Several answers per conversation are the target's own, sampled: greedy decoding would
+    write the same answer each time."""
+    if generate.answers == 1:
+        return
+    if data.responses != "target":
+        raise chk.fail("generate.answers", f"is {generate.answers}, but only the target writes "
+                       "answers: set [data] responses = \"target\", or answers = 1")
+    if generate.temperature == 0:
+        raise chk.fail("generate.answers", f"is {generate.answers} at temperature 0: greedy "
+                       "decoding writes the same answer every time; set [generate] temperature "
+                       "(e.g. 0.7), or answers = 1")
+
+
 def _check_stop_graces(chk: _Checker, extract: ExtractConfig, train: TrainConfig) -> None:
     """A stop drains the engine and stops it (one grace each), then stops the trainer: all of it
     must fit the daemon's stop budget, or some child is killed before its grace is over."""
@@ -550,8 +567,10 @@ def parse_config(raw: dict, path: Path) -> Config:
     generate = chk.build(GenerateConfig, "generate", chk.section(raw, "generate"), {
         "max_new_tokens": _POS_INT, "max_turns": _NONNEG_INT, "temperature": _typed(float, minimum=0.0),
         "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _NONNEG_INT,
+        "answers": _typed(int, minimum=1, maximum=64),
         "batch_size": _typed(int, minimum=1, maximum=4096), "max_attempts": _POS_INT,
         "max_restarts": _NONNEG_INT})
+    _check_answers(chk, data, generate)
 
     train = chk.build(TrainConfig, "train", chk.section(raw, "train"), {
         "nproc": _typed(int, minimum=1, maximum=1024),

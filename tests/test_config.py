@@ -54,6 +54,10 @@ BAD = [
      "[generate.max_restarts] must be at least 0"),
     ("planner restarts as text", {"data": {"planner_max_restarts": "3"}},
      "[data.planner_max_restarts] expected int"),
+    ("answers from the dataset", {"generate": {"answers": 2, "temperature": 0.7}},
+     "[generate.answers] is 2, but only the target writes answers"),
+    ("greedy answers", {"data": {"responses": "target"}, "generate": {"answers": 2}},
+     "[generate.answers] is 2 at temperature 0: greedy decoding writes the same answer"),
 ]
 
 
@@ -126,6 +130,14 @@ def without_dump_dtype(path: Path) -> Path:
     del doc["extract"]["dump_dtype"]
     path.write_text(tomli_w.dumps(doc))
     return path
+
+
+def test_several_answers_are_part_of_the_contract_and_one_leaves_it_as_it_was(config_factory):
+    target = {"data": {"responses": "target"}, "generate": {"temperature": 0.7}}
+    one = load_config(config_factory(target)).contract_keys()
+    assert "answers" not in one  # the datasets written before [generate] answers keep their key
+    two = load_config(config_factory({**target, "generate": {"temperature": 0.7, "answers": 2}}))
+    assert two.contract_keys() == {**one, "answers": 2}
 
 
 def test_dump_dtype_left_out_is_the_target_dtype(config_factory):

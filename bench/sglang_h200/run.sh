@@ -24,7 +24,7 @@
 #   kernels   smoke and mla again with SGLang's own fused kernels instead of native torch ops:
 #             flashinfer's JIT sources from $FI_DATA (build_bundle.sh's fi-data.tar.xz)
 # pipeline.sh's LIMIT, EVAL_TOKENS, GEN_BATCH, EPOCHS, MAX_STEPS, INTERMEDIATE_SIZE, DUMP_DTYPE,
-# LOSS_ON and TTT_STEPS pass through. At full scale (17,671 conversations: LIMIT=17600, a fresh WORK) a step outlasts
+# LOSS_ON, TTT_STEPS, ANSWERS and TEMPERATURE pass through. At full scale (17,671 conversations: LIMIT=17600, a fresh WORK) a step outlasts
 # one 10-minute device command: start it under setsid/nohup with its output in a file, and
 # follow that file in the next commands (docs/sglang.md).
 set -euo pipefail
