@@ -320,9 +320,9 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
             now = time.monotonic()
             if now - last_report >= PROGRESS_EVERY_S:
                 last_report = now
-                log.info("generated %d conversation%s, %.0f new tokens/s", done, "s" * (done != 1),
+                log.info("generated %d sample%s, %.0f new tokens/s", done, "s" * (done != 1),
                          writer.new_tokens / (now - started))
-    log.info("generation done: %d conversation%s, %d new tokens, %.0f s", done, "s" * (done != 1),
+    log.info("generation done: %d sample%s, %d new tokens, %.0f s", done, "s" * (done != 1),
              writer.new_tokens, time.monotonic() - started)
     return OK
 

@@ -13,8 +13,9 @@ It also writes the dataset's capture contract (`<dataset_dir>/capture.toml`) on 
 refuses (CONTRACT_MISMATCH) to plan into a dataset whose contract differs from the config's.
 
 Resumable: each batch of ~256 conversations is one ledger transaction, and a restart begins after
-the highest source index already recorded (all of a conversation's answers are in one batch). The daemon reads progress from the ledger meta keys
-`plan.*`; this process never decides on its own that the plan is complete.
+the highest source index already recorded (all of a conversation's answers are in one batch).
+The daemon reads progress from the ledger meta keys `plan.*`; this process never decides on its
+own that the plan is complete.
 
 Exit codes (statemachine/entry.py): OK, REFUSED (bad config or unreadable input),
 CONTRACT_MISMATCH.

@@ -177,8 +177,8 @@ def render_status(st: dict[str, Any]) -> str:
     elif st["stage"] == "generate" or s.get("ungenerated") or s.get("generating"):
         left = s.get("ungenerated", 0) + s.get("generating", 0)
         frac = 1 - left / max(s["total"], 1)
-        lines.append(f"progress  {_bar(frac)}  {s['total'] - left:,}/{s['total']:,} conversations "
-                     "answered by the target")
+        lines.append(f"progress  {_bar(frac)}  {s['total'] - left:,}/{s['total']:,} samples "
+                     "written by the target")
     elif st["stage"] == "verify" or (s["verified"] and not s["pending"] and not s["inflight"]):
         frac = s["verified"] / max(s["total"] - s["excluded"], 1)
         lines.append(f"progress  {_bar(frac)}  {s['verified']}/{s['total'] - s['excluded']} verified")

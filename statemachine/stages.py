@@ -83,8 +83,9 @@ def _work_stage(f: Facts) -> tuple[Stage, str]:
     if c.total == 0:
         return Stage.FAILED, "the plan produced no usable samples: check [data] source, first, limit"
     if c.get("ungenerated") or c.get("generating"):
-        return Stage.GENERATE, (f"{c.get('ungenerated') + c.get('generating')} conversations "
-                                "for the target to answer")
+        # A sample, not a conversation: with [generate] answers = K each conversation is K.
+        return Stage.GENERATE, (f"{c.get('ungenerated') + c.get('generating')} samples "
+                                "for the target to write")
     if c.get("pending") or c.get("inflight"):
         return Stage.EXTRACT, f"{c.get('pending') + c.get('inflight')} samples to extract"
     if c.get("extracted"):
