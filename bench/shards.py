@@ -14,7 +14,8 @@ its own, killed when the single daemon ends); without it the single daemon ran i
 alone, 1.76x as fast (H200 machine, 2026-12-04), and the ratio said more about one host than
 about sharding. The split is by content hash, not by size, so a small slice divides unevenly:
 each shard's share of the tokens is printed, and the ratio a perfect split would give beside it.
-So is each daemon's first dump's delay (its fixed start) and its pace after it, from its ledger.
+So is each daemon's first dump's delay (its fixed start) and its pace after it, from its ledger,
+and the single daemon's pace before and after the first shard finished (a change of load).
 
     .venv/bin/python bench/shards.py [--limit 2000] [--cores 4] [--dir /var/tmp]
                                      [--model GGUF_OR_FOLDER] [--source CONVERSATIONS] [--quick]
@@ -120,18 +121,26 @@ class Daemons:
 
 class Profile(NamedTuple):
     """One daemon's extraction from its ledger: its planned tokens, the seconds from the bench's
-    start to its first dump (start, plan, model load, first forward), and its pace after that."""
+    start to its first dump (start, plan, model load, first forward), its pace after that, and
+    each extraction's (seconds from the bench's start, tokens)."""
     tokens: int
     first_dump_s: float
     tokens_per_s: float
+    extractions: list[tuple[float, int]]
+
+    def pace(self, start_s: float, end_s: float) -> float:
+        """Tokens/s of the extractions finished between two of the bench's times."""
+        done = sum(n for t, n in self.extractions if start_s < t <= end_s)
+        return done / max(end_s - start_s, 1e-9)
 
 
 def profile(state: Path, started: float) -> Profile:
     with Ledger(layout.ledger(state), readonly=True) as ledger:
-        tokens, extractions = ledger.counts().total_tokens, ledger.extractions()
+        tokens = ledger.counts().total_tokens
+        extractions = [(t - started, n) for t, n in ledger.extractions()]
     (first, _), (last, _) = extractions[0], extractions[-1]
     after_first = sum(n for _, n in extractions[1:])
-    return Profile(tokens, first - started, after_first / max(last - first, 1e-9))
+    return Profile(tokens, first, after_first / max(last - first, 1e-9), extractions)
 
 
 def state_folder(root: Path, name: str) -> Path:
@@ -193,6 +202,14 @@ def main(argv: list[str] | None = None) -> int:
         share = "" if name == "single" else f", {shares[names.index(name) - 1]:.1%} of the tokens"
         print(f"{name:<10} {wall:8.1f} s  (cores {cores.start}-{cores.stop - 1}{share}; first "
               f"dump after {p.first_dump_s:.0f} s, then {p.tokens_per_s:,.0f} tokens/s)")
+    # The single daemon's pace while every shard extracted beside it, and after the first had
+    # finished (its cores on ballast): equal unless the load on the host changed, which would
+    # make a shard's pace differ from the single daemon's for a reason that is not sharding.
+    single, first_done = profiles["single"], min(walls[name] for name in names[1:])
+    if single.first_dump_s < first_done:  # a smoke run's shard can finish before it starts
+        print(f"single's pace while every shard ran "
+              f"{single.pace(single.first_dump_s, first_done):,.0f} tokens/s, after the first "
+              f"had finished {single.pace(first_done, walls['single']):,.0f}")
     sharded = max(walls[name] for name in names[1:])
     ratio = sharded / walls["single"]
     print(f"a perfect split would give {ratio / (max(shares) * SHARDS):.2f} (the largest shard "
