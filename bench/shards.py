@@ -120,13 +120,20 @@ class Daemons:
 
 
 class Profile(NamedTuple):
-    """One daemon's extraction from its ledger: its planned tokens, the seconds from the bench's
-    start to its first dump (start, plan, model load, first forward), its pace after that, and
-    each extraction's (seconds from the bench's start, tokens)."""
+    """One daemon's extraction from its ledger: its planned tokens and each extraction's
+    (seconds from the bench's start, tokens), oldest first."""
     tokens: int
-    first_dump_s: float
-    tokens_per_s: float
     extractions: list[tuple[float, int]]
+
+    @property
+    def first_dump_s(self) -> float:
+        """Seconds to the first dump: start, plan, model load, first forward."""
+        return self.extractions[0][0]
+
+    @property
+    def tokens_per_s(self) -> float:
+        """The pace after the first dump."""
+        return self.pace(self.first_dump_s, self.extractions[-1][0])
 
     def pace(self, start_s: float, end_s: float) -> float:
         """Tokens/s of the extractions finished between two of the bench's times."""
@@ -136,11 +143,8 @@ class Profile(NamedTuple):
 
 def profile(state: Path, started: float) -> Profile:
     with Ledger(layout.ledger(state), readonly=True) as ledger:
-        tokens = ledger.counts().total_tokens
-        extractions = [(t - started, n) for t, n in ledger.extractions()]
-    (first, _), (last, _) = extractions[0], extractions[-1]
-    after_first = sum(n for _, n in extractions[1:])
-    return Profile(tokens, first, after_first / max(last - first, 1e-9), extractions)
+        return Profile(ledger.counts().total_tokens,
+                       [(t - started, n) for t, n in ledger.extractions()])
 
 
 def state_folder(root: Path, name: str) -> Path:
