@@ -31,6 +31,7 @@ from eagle3d.statemachine.config import (DERIVED, Config, ConfigError, human_byt
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
 from eagle3d.statemachine.statefile import read_state
+from eagle3d.statemachine.version import VERSION
 
 DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
 HEARTBEAT_STALE_S = 15.0
@@ -569,6 +570,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The whole parser, or only `command`'s subparser: building all eleven costs a few
     milliseconds of every `eagle3ctl status`."""
     p = argparse.ArgumentParser(prog="eagle3ctl", description=__doc__, formatter_class=_formatter)
+    p.add_argument("--version", action="version", version=f"eagle3ctl {VERSION}")
     p.add_argument("-c", "--config", default=os.environ.get("EAGLE3D_CONFIG", DEFAULT_CONFIG),
                    help=f"config file (default {DEFAULT_CONFIG} or $EAGLE3D_CONFIG)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=functools.partial(

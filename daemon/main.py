@@ -9,12 +9,14 @@ import sys
 
 from eagle3d.statemachine.logs import setup_logging
 from eagle3d.statemachine.stages import ORDER
+from eagle3d.statemachine.version import VERSION
 
 DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3d", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"eagle3d {VERSION}")
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline daemon in the foreground")
     run.add_argument("--until", choices=ORDER,

@@ -211,3 +211,12 @@ def test_status_with_runs_imports_only_what_it_shows(config_factory):
     assert out.stdout.startswith("[]\n"), out.stdout + out.stderr[-3000:]
     assert "run       b-1 (a-1 set aside, b-1 started) · 1 set aside (1.0 MiB on the dataset " \
            "disk): eagle3ctl runs" in out.stdout
+
+
+def test_both_programs_say_their_version():
+    """`--version` answers without a config, a daemon or a subcommand: what a bug report asks."""
+    from eagle3d.statemachine.version import VERSION
+    for program in ("eagle3d", "eagle3ctl"):
+        out = subprocess.run([venv_bin(program), "--version"], capture_output=True, text=True,
+                             timeout=60)
+        assert (out.returncode, out.stdout.strip()) == (0, f"{program} {VERSION}"), out.stderr
