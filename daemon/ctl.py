@@ -117,6 +117,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["config_problem"] = state.get("config", {}).get("problem")
     out["run"] = state.get("run", {})
     out["config_problem_since"] = state.get("config", {}).get("problem_since")
+    out["metrics_problem"] = state.get("metrics", {}).get("problem")
     out["paused_by"] = state.get("paused_by")
     d = state.get("daemon", {})
     age = time.time() - d["heartbeat"] if "heartbeat" in d else None
@@ -256,8 +257,9 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(f"gate      {g.get('describe', '?')}")
     for blk in st.get("blocking", []):
         lines.append(f"  failed  {blk['id']}  attempts {blk['attempts']}: {blk['error']}")
-    if st.get("ledger_problem"):
-        lines.append(f"note      {st['ledger_problem']}")
+    for note in ("ledger_problem", "metrics_problem"):
+        if st.get(note):
+            lines.append(f"note      {st[note]}")
     return "\n".join(lines)
 
 

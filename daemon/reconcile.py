@@ -21,9 +21,10 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon import budgets, control, pipeline, requests, run_select
+from eagle3d.daemon import budgets, control, metrics, pipeline, requests, run_select
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory
@@ -82,6 +83,7 @@ class Daemon:
         self.config_problem: str | None = None
         self.config_problem_since: float | None = None
         self.switched: str | None = None  # which run was set aside for which, for status
+        self.metrics_problem: str | None = None  # why the metrics textfile cannot be written
         self._last_ping = 0.0
         self.enter(run_select.select(cfg))
 
@@ -322,10 +324,26 @@ class Daemon:
         if self.cfg.shard.count > 1:  # for the training node, which never opens this ledger
             write_state(self.cfg.paths.state_dir, state,
                         layout.published_state(self.cfg.paths.dataset_dir))
+        if self.cfg.metrics.textfile:
+            self.write_metrics(state)
         s = state["samples"]
         self.notifier.status(f"{state['stage']}: {s['verified'] + s['extracted']}/{s['total']} "
                              f"samples, {state['tokens']['done']}/{state['tokens']['total']} "
                              f"tokens; {state['reason']}")
+
+    def write_metrics(self, state: dict[str, Any]) -> None:
+        """node_exporter's textfile. A folder that is missing or not writable is logged once per
+        cause and shown by status; the pipeline goes on without its metrics."""
+        shard = str(self.cfg.shard.index) if self.cfg.shard.count > 1 else ""
+        try:
+            metrics.write(Path(self.cfg.metrics.textfile), state, shard)
+        except OSError as exc:
+            problem = f"cannot write {self.cfg.metrics.textfile}: {exc.strerror or exc}"
+            if problem != self.metrics_problem:
+                log.warning("metrics: %s", problem)
+            self.metrics_problem = problem
+        else:
+            self.metrics_problem = None
 
 
 def run(config_path: str, until: str | None) -> int:

@@ -34,6 +34,7 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
         "updated": time.time(),
         "config": {"path": str(daemon.cfg.path), "problem": daemon.config_problem,
                    "problem_since": daemon.config_problem_since if daemon.config_problem else None},
+        "metrics": {"textfile": daemon.cfg.metrics.textfile, "problem": daemon.metrics_problem},
         "run": {"id": daemon.current.id, "switched": daemon.switched or "",
                 "set_aside": [{"id": run.id, "bytes": size} for run, size in daemon.set_aside]},
         "samples": {**{k: counts.get(k) for k in STATUSES},

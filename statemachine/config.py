@@ -194,6 +194,10 @@ class SGLangConfig(NamedTuple):
     extra_args: tuple[str, ...] = ()
 
 
+class MetricsConfig(NamedTuple):
+    textfile: str = ""  # node_exporter's textfile collector reads it; empty: none written
+
+
 class Config(NamedTuple):
     path: Path
     target: TargetConfig
@@ -206,6 +210,7 @@ class Config(NamedTuple):
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     sglang: SGLangConfig = SGLangConfig()
+    metrics: MetricsConfig = MetricsConfig()
 
     @property
     def shard(self) -> shards.Shard:
@@ -512,7 +517,7 @@ def parse_config(raw: dict, path: Path) -> Config:
     chk = _Checker(path)
     base = path.parent
     known = {"target", "data", "paths", "budget", "extract", "verify", "generate", "train", "eval",
-             "sglang"}
+             "sglang", "metrics"}
     for key in raw:
         if key not in known:
             raise ConfigError(f"{path}: unknown section or key [{key}] "
@@ -600,9 +605,12 @@ def parse_config(raw: dict, path: Path) -> Config:
         "mem_fraction": _typed(float, minimum=0.05, maximum=0.99),
         "startup_timeout_s": _POS_FLOAT, "extra_args": _str_list})
 
+    metrics = chk.build(MetricsConfig, "metrics", chk.section(raw, "metrics"),
+                        {"textfile": lambda v: _textfile(v, base)})
+
     return Config(path=path, target=target, data=data, paths=paths, budget=budget,
                   extract=extract, verify=verify, generate=generate, train=train, eval=ev,
-                  sglang=sglang)
+                  sglang=sglang, metrics=metrics)
 
 
 def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool = False) -> Path:
@@ -646,6 +654,18 @@ def _spelled(value: str, resolved: Path) -> str:
             not resolved.is_absolute():
         return value
     return str(resolved)
+
+
+def _textfile(value: Any, base: Path) -> str:
+    """The metrics file: node_exporter's textfile collector reads only names ending in .prom,
+    so any other name would be written and never scraped. Its folder is looked for at each
+    write, not here: a host without node_exporter yet still runs (status says why nothing is
+    written)."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a file path, got {value!r}")
+    if value and not value.endswith(".prom"):
+        raise ValueError(f"node_exporter reads only files named *.prom, got {value!r}")
+    return str(resolve_location(value, base)) if value else ""
 
 
 def _dir(chk: _Checker, key: str, value: Any, base: Path) -> Path:
