@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, pointer
 from eagle3d.statemachine.config import (DERIVED, Config, ConfigError, human_bytes,
                                          load_config, load_in_force)
@@ -36,19 +37,6 @@ from eagle3d.statemachine.version import VERSION
 DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
 HEARTBEAT_STALE_S = 15.0
 ACK_TIMEOUT_S = 10.0
-
-
-def _human_s(s: float | None) -> str:
-    if s is None:
-        return "-"
-    s = int(s)
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m {s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h {s % 3600 // 60:02d}m"
-    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
 
 
 def _bar(fraction: float, width: int = 30) -> str:
@@ -161,7 +149,7 @@ def render_status(st: dict[str, Any]) -> str:
     elif d.get("pid"):
         age = d.get("heartbeat_age_s")
         lines.append(f"daemon    NOT RUNNING (last pid {d['pid']}, last heartbeat "
-                     f"{_human_s(age)} ago)")
+                     f"{human_s(age)} ago)")
     else:
         lines.append("daemon    NOT RUNNING")
     if st.get("config_problem"):
@@ -197,7 +185,7 @@ def render_status(st: dict[str, Any]) -> str:
     else:
         lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
                      f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · "
-                     f"ETA {_human_s(st.get('eta_s'))}")
+                     f"ETA {human_s(st.get('eta_s'))}")
     b = st.get("bytes", {})
     disk_parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
                   for x in st.get("disk", [])[:2]]
@@ -223,7 +211,7 @@ def render_status(st: dict[str, Any]) -> str:
         early = trainer.get("before_first_step")
         if early:
             waited = time.time() - early["since"] if early.get("since") else None
-            parts.append(f"{early['status']} for {_human_s(waited)}" + (
+            parts.append(f"{early['status']} for {human_s(waited)}" + (
                 " (the first step: on a GPU the fused kernels compile, a minute or more the "
                 "first time)" if early["status"] == train_files.STARTING else ""))
         if "loss" in trainer:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon import budgets, control, metrics, pipeline, requests, run_select
+from eagle3d.daemon import budgets, control, metrics, pipeline, progress, requests, run_select
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory
@@ -85,6 +85,7 @@ class Daemon:
         self.switched: str | None = None  # which run was set aside for which, for status
         self.metrics_problem: str | None = None  # why the metrics textfile cannot be written
         self._last_ping = 0.0
+        self._last_progress = float("-inf")  # monotonic: a clock step never silences them
         self.enter(run_select.select(cfg))
 
     def enter(self, selected: runs.Selected) -> None:
@@ -220,6 +221,7 @@ class Daemon:
             log.info("stage %s: %s", decision.stage.value, decision.reason)
             self.ledger.event("stage", f"{decision.stage.value}: {decision.reason}")
             self._last_state = 0.0
+            self._last_progress = float("-inf")  # each stage's totals in the log from its start
         self.decision = decision
         if not self.until_met():  # `--until train` must not start the trainer it will not wait for
             for stage in self.stages:
@@ -326,10 +328,11 @@ class Daemon:
                         layout.published_state(self.cfg.paths.dataset_dir))
         if self.cfg.metrics.textfile:
             self.write_metrics(state)
-        s = state["samples"]
-        self.notifier.status(f"{state['stage']}: {s['verified'] + s['extracted']}/{s['total']} "
-                             f"samples, {state['tokens']['done']}/{state['tokens']['total']} "
-                             f"tokens; {state['reason']}")
+        status = progress.line(state)
+        self.notifier.status(status)
+        if time.monotonic() - self._last_progress >= progress.PROGRESS_EVERY_S or final:
+            self._last_progress = time.monotonic()
+            log.info("progress %s", status)
 
     def write_metrics(self, state: dict[str, Any]) -> None:
         """node_exporter's textfile. A folder that is missing or not writable is logged once per
