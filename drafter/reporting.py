@@ -1,6 +1,7 @@
 """What a training step reports, and how it gets to the host without slowing the GPU: each
-step's figures (StepFigures) become a row of metrics.jsonl, the progress file the daemon reads,
-and a log line every 10 s (Reporter), with the tokens/s of the last seconds (RecentRate)."""
+step's figures (StepFigures) become a row of metrics.jsonl (with its wall time), the progress
+file the daemon reads, TensorBoard scalars where asked, and a log line every 10 s with the ETA
+(Reporter), with the tokens/s of the last seconds (RecentRate)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -93,7 +95,7 @@ class Reporter:
 
     def __init__(self, ttt_steps: int, total: int, started_step: int,
                  metrics_path: Path | None, progress: train_files.ProgressWriter | None,
-                 bytes_per_token: int = 0) -> None:
+                 bytes_per_token: int = 0, tensorboard: Path | None = None) -> None:
         self.ttt_steps, self.total, self.bytes_per_token = ttt_steps, total, bytes_per_token
         self.reader_named = False  # the log names the reader as the limit once
         self.recent = RecentRate()
@@ -103,6 +105,7 @@ class Reporter:
         self.first: tuple[float, int] | None = None
         self.metrics = open(metrics_path, "a") if metrics_path is not None else None
         self.progress = progress
+        self.board = _board(tensorboard) if tensorboard is not None and progress else None
         if progress is not None:
             progress.write(train_files.STARTING, step=started_step)
 
@@ -117,11 +120,14 @@ class Reporter:
         tokens_per_s = self.recent.add(figures.started, now, values[3 * k], values[3 * k + 2])
         if self.metrics is not None and self.progress is not None:
             weighted = sum(LOSS_DECAY ** i * v for i, v in enumerate(step_loss))
-            row = {"step": figures.step, "epoch": figures.epoch, "loss": weighted,
-                   "loss_per_step": step_loss, "acc": acc, "tokens_per_s": tokens_per_s,
-                   "lr": figures.lr}
+            row = {"step": figures.step, "time": round(time.time(), 3), "epoch": figures.epoch,
+                   "loss": weighted, "loss_per_step": step_loss, "acc": acc,
+                   "tokens_per_s": tokens_per_s, "lr": figures.lr,
+                   "data_wait": round(self.recent.wait_share, 4)}
             self.metrics.write(json.dumps(row) + "\n")
             self.metrics.flush()
+            if self.board is not None:
+                self.board(row)
             if self.first is None:
                 self.first = (now, figures.step)
             since, step = self.first
@@ -135,8 +141,9 @@ class Reporter:
             self.name_the_reader(tokens_per_s)
             if now - self.last_log > 10 or last:
                 self.last_log = now
-                log.info("step %d/%d loss %.3f acc %s %.0f tok/s", figures.step, self.total,
-                         weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s)
+                log.info("step %d/%d loss %.3f acc %s %.0f tok/s, ETA %s", figures.step,
+                         self.total, weighted, " ".join(f"{a:.2f}" for a in acc), tokens_per_s,
+                         "-" if eta is None else f"{eta:.0f} s")
         return values[3 * k + 1] > 0
 
     def name_the_reader(self, tokens_per_s: float) -> None:
@@ -155,3 +162,24 @@ class Reporter:
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
+        if self.board is not None:
+            self.board(None)
+
+
+def _board(folder: Path) -> Callable[[dict | None], None]:
+    """TensorBoard's writer as one call per metrics row (None: close), each row's wall time
+    its own: a resumed run's steps continue the same curves."""
+    from torch.utils.tensorboard import SummaryWriter
+    writer = SummaryWriter(str(folder))
+
+    def write(row: dict | None) -> None:
+        if row is None:
+            writer.close()
+            return
+        step, at = row["step"], row["time"]
+        for name in ("loss", "tokens_per_s", "lr", "data_wait"):
+            writer.add_scalar(f"train/{name}", row[name], step, walltime=at)
+        for k, (loss, acc) in enumerate(zip(row["loss_per_step"], row["acc"])):
+            writer.add_scalar(f"ttt_step_{k}/loss", loss, step, walltime=at)
+            writer.add_scalar(f"ttt_step_{k}/accuracy", acc, step, walltime=at)
+    return write

@@ -414,7 +414,9 @@ def train_loop(run: Run) -> bool:
                         layout.metrics_file(run.dir) if rt.main else None, run.progress,
                         dumpformat.bytes_per_token(run.model.cfg.target_hidden_size,
                                                    contract_mod.dump_dtype(run.contract)
-                                                   or "bfloat16"))
+                                                   or "bfloat16"),
+                        layout.tensorboard_dir(run.dir)
+                        if cfg.train.report_to == "tensorboard" else None)
     # This rank's batches from where the run stands to its last step.
     loader = reader.batches(run.paths, data.remaining(run.plans, run.step, run.total - run.step),
                             rt.device, answers_only=cfg.train.loss_on == "answers")
@@ -445,6 +447,8 @@ def train_loop(run: Run) -> bool:
                 pending = None
             if stopping or checkpoint_due:
                 save_checkpoint(run)
+                if rt.main:  # the curves so far, for whoever looks while it trains
+                    plot_metrics(layout.metrics_file(run.dir), layout.metrics_plot(run.dir))
             if stopping:
                 if rt.main:
                     log.info("stopped by SIGTERM at step %d, checkpoint saved", run.step)

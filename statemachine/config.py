@@ -35,6 +35,7 @@ FORMATS = ("auto", "sharegpt", "messages")
 RESPONSES = ("dataset", "target")
 # Where the drafter learns the target's next token: after answer tokens only, or everywhere.
 LOSS_ON = ("answers", "all")
+REPORT_TO = ("", "tensorboard")
 # The daemon's whole stop (every child's grace) fits in this, inside the unit's TimeoutStopSec=3min
 # with room for systemd's own SIGKILL to never be needed (tests/test_systemd_unit.py holds them).
 STOP_BUDGET_S = 150.0
@@ -172,6 +173,7 @@ class TrainConfig(NamedTuple):
     stop_grace_s: float = 60.0  # SIGTERM to SIGKILL: the trainer checkpoints in between
     seed: int = 0
     threads: int = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
+    report_to: str = ""  # REPORT_TO: where the curves go besides metrics.jsonl and metrics.png
 
 
 class EvalConfig(NamedTuple):
@@ -588,7 +590,10 @@ def parse_config(raw: dict, path: Path) -> Config:
         "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
         "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,
         "max_restarts": _NONNEG_INT, "stop_grace_s": _GRACE, "seed": _NONNEG_INT,
-        "threads": _NONNEG_INT})
+        "threads": _NONNEG_INT, "report_to": _typed(str, choices=REPORT_TO)})
+    if train.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise chk.fail("train.report_to", "needs the tensorboard package in eagle3d's "
+                       "environment: pip install 'eagle3d[tensorboard]'")
     _check_nodes(chk, train)
     _check_stop_graces(chk, extract, train)
 

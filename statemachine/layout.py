@@ -145,6 +145,11 @@ def metrics_plot(train_dir: Path) -> Path:
     return Path(train_dir) / "metrics.png"
 
 
+def tensorboard_dir(train_dir: Path) -> Path:
+    """TensorBoard's event files, where `[train] report_to = "tensorboard"`."""
+    return Path(train_dir) / "tensorboard"
+
+
 def vocab_file(train_dir: Path) -> Path:
     """The draft vocabulary (drafter/vocab.py)."""
     return Path(train_dir) / "vocab.safetensors"

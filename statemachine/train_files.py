@@ -142,7 +142,7 @@ def done_for(train_dir: Path, fingerprint: str | None, eval_key: str) -> bool:
 
 # [train] settings that say where or how fast training runs, not what drafter it makes.
 _RUNNING_ONLY = ("nproc", "nnodes", "node_rank", "rendezvous", "device", "checkpoint_every",
-                 "max_restarts", "stop_grace_s", "threads")
+                 "max_restarts", "stop_grace_s", "threads", "report_to")
 
 
 def _key(section: Any, skip: tuple[str, ...]) -> str:
@@ -165,7 +165,8 @@ def _version_parts(train_dir: Path) -> list[Path]:
     """The train folder's files that belong to one drafter (the compile cache is shared)."""
     return [f(train_dir) for f in (layout.progress_file, layout.eval_file, layout.done_file,
                                    layout.refusal_file, layout.export_dir, layout.checkpoint_dir,
-                                   layout.metrics_file, layout.metrics_plot, layout.vocab_file)]
+                                   layout.metrics_file, layout.metrics_plot, layout.tensorboard_dir,
+                                   layout.vocab_file)]
 
 
 def switch_version(train_dir: Path, held: str, wanted: str) -> bool:

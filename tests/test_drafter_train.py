@@ -484,3 +484,31 @@ def test_the_eta_counts_the_pace_after_the_first_step_not_the_wait_for_it(tmp_pa
     # 10 steps in ~0.1 s: ~0.9 s for the 89 left; counted from the start, ~16 s.
     assert shown["status"] == train_files.TRAINING and shown["eta_s"] < 8.0
     reporter.close()
+
+
+@pytest.mark.slow
+def test_the_curves_are_there_while_it_trains(tmp_path, data_root):
+    """TensorBoard's scalars, metrics.jsonl's wall times and metrics.png, all before the end:
+    a week-long training is watched while it runs, not after."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    config = write_config(tmp_path, data_root, {**SMALL, "max_steps": 400, "checkpoint_every": 2,
+                                                "report_to": "tensorboard"})
+    train = tmp_path / "train"
+    proc = subprocess.Popen(train_cmd(config), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for_steps(train, 3, 300)
+        deadline = time.monotonic() + 120
+        while not (train / "metrics.png").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (train / "metrics.png").stat().st_size > 1000
+        assert json.loads((train / "progress.json").read_text())["status"] == "training"
+    finally:
+        kill_tree(proc, signal.SIGKILL)
+    rows = metrics(train)
+    assert all(abs(r["time"] - time.time()) < 600 for r in rows)
+    board = EventAccumulator(str(train / "tensorboard")).Reload()
+    assert {"train/loss", "train/tokens_per_s", "ttt_step_0/accuracy", "ttt_step_1/loss"} <= \
+        set(board.Tags()["scalars"])
+    logged = [e.step for e in board.Scalars("train/loss")]
+    assert logged and logged == sorted(logged) and logged[0] == 1
