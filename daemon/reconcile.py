@@ -36,8 +36,9 @@ from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
 from eagle3d.statemachine import entry, layout, pointer, runs, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
-from eagle3d.statemachine.config import (STOP_BUDGET_S, Config, ConfigError, daemon_problem,
-                                          load_config, reload_problem, write_in_force)
+from eagle3d.statemachine.config import (NEEDS_RESTART, REFUSED, STOP_BUDGET_S, Config,
+                                          ConfigError, daemon_problem, load_config,
+                                          write_in_force)
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Facts, Seen, Stage
 from eagle3d.statemachine.statefile import write_state
@@ -127,7 +128,7 @@ class Daemon:
         # that 'has not started' while the daemon works on it.
         self._last_state = 0.0
         self.publish()
-        pointer.write(self.cfg.path, self.cfg.paths.state_dir)
+        pointer.write(self.cfg.path, self.cfg.paths.state_dir, self.root_cfg.paths._asdict())
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -284,22 +285,19 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = load_config(self.root_cfg.path)
-            problem = reload_problem(self.root_cfg, new)
-            weights = run_select.weights_of(new)
-            switch = runs.run_key(new.contract_keys(), weights) != self.current.key
-            if switch and not problem:
-                problem = (run_select.sharded_switch_problem(new, weights)
-                           or self.new_run_problem(new, weights))
+            verdict = run_select.judge_reload(self.root_cfg, self.current, new,
+                                              self.ledger.counts())
         except ConfigError as exc:
-            problem = f"the new config does not validate: {exc}"
-        if problem:
+            verdict = run_select.Verdict(REFUSED, f"the new config does not validate: {exc}")
+        if verdict.kind in (NEEDS_RESTART, REFUSED):
+            problem = verdict.why
             self.config_problem = f"reload refused, the old config stays in force: {problem}"
             self.config_problem_since = time.time()
             log.error("%s", self.config_problem)
             self.ledger.event("reload_refused", problem)
-        elif switch:
+        elif verdict.kind == run_select.SWITCH:
             self.config_problem = None
-            self.switch(new, weights)
+            self.switch(new, verdict.weights)
             return  # ready once the new run's stages are there
         else:
             self.root_cfg = new
@@ -311,19 +309,6 @@ class Daemon:
             log.info("config reloaded from %s", new.path)
             self.ledger.event("reloaded", str(new.path))
         self.notifier.ready()
-
-    def new_run_problem(self, new: Config, weights: str) -> str | None:
-        """Why a switch to a new run must be refused: the current run's bytes per sample, times
-        the new run's samples, do not fit the dataset disk. A run to resume is always taken."""
-        if runs.find(new, weights) is not None:
-            return None
-        counts = self.ledger.counts()
-        done = counts.get("extracted") + counts.get("verified")
-        if not done:
-            return None
-        projected = sum(counts.bytes.values()) // done * new.data.limit
-        free = budgets.disks(self.cfg)[0].free
-        return budgets.projection_pause(new, free, projected)
 
     def switch(self, new: Config, weights: str) -> None:
         """Set the current run aside: its stages stop within their bounds, in a thread, while
