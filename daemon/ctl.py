@@ -329,8 +329,12 @@ def what_a_reload_does(new: Config) -> tuple[int, str]:
         code = NEEDS_RESTART_CODE if verdict.kind == NEEDS_RESTART else RELOAD_REFUSED
         return code, (f"{verdict.kind}: {verdict.why} (running daemon pid {running['pid']}; the "
                       f"edit changes {', '.join(keys)})")
-    return 0, ("applied live on reload (systemctl reload eagle3d): " + ", ".join(keys)
-               if keys else f"no change from the config in force ({running['in_force']})")
+    if not keys:
+        return 0, f"no change from the config in force ({running['in_force']})"
+    # A checkpoint is of one manifest: a grown one is trained again, from its first step.
+    grown = ("; [data] limit raised: the new samples are extracted and the drafter retrains "
+             "from step 0" if new.data.limit > root.data.limit else "")
+    return 0, "applied live on reload (systemctl reload eagle3d): " + ", ".join(keys) + grown
 
 
 def _run_words(new: Config, weights: str) -> str:

@@ -260,3 +260,17 @@ def test_check_config_says_what_the_reload_then_does(config_factory, tmp_path, c
         assert why in daemon.config_problem, daemon.config_problem  # status: exit 5
     finally:
         daemon.ledger.close()
+
+
+def test_check_config_says_a_raised_limit_retrains_from_step_0(config_factory):
+    """A checkpoint is of one manifest: raising [data] limit trains the grown dataset from its
+    first step, and check-config says so rather than promising to keep the training done."""
+    config = config_factory()
+    daemon = Daemon(load_config(config))
+    try:
+        edit(config, "data", limit=daemon.cfg.data.limit * 2)
+        checked = ctl(config, "check-config")
+        assert checked.returncode == 0 and "applied live" in checked.stdout, checked
+        assert "[data] limit raised" in checked.stdout and "retrains from step 0" in checked.stdout
+    finally:
+        daemon.ledger.close()
