@@ -9,6 +9,7 @@ never by a bare pid that the kernel may have handed to an unrelated process sinc
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -162,23 +163,36 @@ def _alive(process: psutil.Process) -> bool:
 
 
 BACKOFF_MAX_S = 60.0
+# The restarts a limit counts are those of the last day, as the unit's StartLimitIntervalSec
+# counts starts: six unrelated crashes over a week are six mended incidents, not a child that
+# cannot work. A day still holds the limit's crash loop of a target that loads for hours.
+RESTART_WINDOW_S = 24 * 3600.0
 
 
 class Supervisor:
     """The restart policy of one stage's child, as Supervisor runs its programs: STARTING and
     RUNNING while a child is up, BACKOFF after an exit (2, 4, 8 … s, at most a minute), FATAL
-    once the restarts are used up or at once for an exit that would only repeat (entry.FINAL,
-    controller-runtime's terminal error): never retried until the operator retries (`clear`).
-    `on_fatal` hears the reason of every entry into FATAL (the stage's log line and event)."""
+    once the restarts of the last RESTART_WINDOW_S are used up, or at once for an exit that
+    would only repeat (entry.FINAL, controller-runtime's terminal error): never retried until
+    the operator retries (`clear`). `on_fatal` hears the reason of every entry into FATAL (the
+    stage's log line and event)."""
 
     def __init__(self, limit_key: str, limit: int,
                  on_fatal: Callable[[str], None] = lambda reason: None) -> None:
         self.limit_key = limit_key  # "[extract] engine_max_restarts": where the limit is set
         self.limit = limit
         self.on_fatal = on_fatal
-        self.restarts = 0
+        self.window_s = RESTART_WINDOW_S
+        self._exits: collections.deque[float] = collections.deque()  # time.monotonic() of each
         self.retry_at = 0.0
         self.fatal: str | None = None
+
+    @property
+    def restarts(self) -> int:
+        """The exits counted within the window (the limit's and the backoff's count)."""
+        while self._exits and time.monotonic() - self._exits[0] > self.window_s:
+            self._exits.popleft()
+        return len(self._exits)
 
     @property
     def may_start(self) -> bool:
@@ -195,13 +209,15 @@ class Supervisor:
         """An exit nobody asked for (`code` None: ended by the stage because a partner died):
         back off and return None, or go FATAL and return the reason. `final`: the child said
         why it can never work (a refusal, whatever its exit code)."""
-        self.restarts += 1
+        self._exits.append(time.monotonic())
         if final or code in entry.FINAL:
             return self.terminal(f"{said}; see the log")
-        if self.restarts > self.limit:
-            return self.terminal(f"{said}, {self.restarts} times ({self.limit_key} = "
+        restarts = self.restarts
+        if restarts > self.limit:
+            return self.terminal(f"{said}, {restarts} times within "
+                                 f"{self.window_s / 3600:g} h ({self.limit_key} = "
                                  f"{self.limit}); see the log")
-        self.retry_at = time.time() + min(BACKOFF_MAX_S, 2.0 ** self.restarts)
+        self.retry_at = time.time() + min(BACKOFF_MAX_S, 2.0 ** restarts)
         return None
 
     def terminal(self, reason: str) -> str:
@@ -214,7 +230,7 @@ class Supervisor:
     def clear(self) -> None:
         """The operator retried: from the start, with every restart again."""
         self.fatal = None
-        self.restarts = 0
+        self._exits.clear()
         self.retry_at = 0.0
 
     def reconfigure(self, limit: int, mended: bool) -> None:

@@ -285,44 +285,54 @@ def changed_keys(old: Config, new: Config) -> list[str]:
 
 def what_a_reload_does(new: Config) -> tuple[int, str]:
     """(exit code, one line) for what the daemon would do with `new`: a running daemon's
-    reload, or a start. A config of another capture contract is another run: a reload or a
-    start resumes the run of that contract, or starts one."""
-    from eagle3d.daemon.run_select import weights_of  # reads MiBs of weights: not status's path
+    reload, judged as the reload judges it (run_select.judge_reload), or a start. A config of
+    another capture contract is another run: a reload or a start resumes the run of that
+    contract, or starts one."""
+    # These read MiBs of weights and the disks: not status's path.
+    from eagle3d.daemon import run_select
     from eagle3d.statemachine import runs
-    from eagle3d.statemachine.config import NEEDS_RESTART, reload_verdict
+    from eagle3d.statemachine.config import NEEDS_RESTART, PathsConfig
 
-    weights = weights_of(new)
-    registry = runs.read(new.paths.state_dir)
-    wanted = runs.find(new, weights)
-    run_words = (f"resumes run {wanted.id}" if wanted else
-                 f"starts a new run {runs.run_key(new.contract_keys(), weights)}")
     running = pointer.read(new.path)
     if not running:
+        weights = run_select.weights_of(new)
+        registry = runs.read(new.paths.state_dir)
         from eagle3d.dataset import contract
         # The first run lives in the configured folders: a dataset already there binds it.
         doc = None if registry.runs else contract.read(new.paths.dataset_dir)
-        problem = doc and contract.config_problem(doc, new, weights)
+        problem = (run_select.sharded_switch_problem(new, weights) or
+                   doc and contract.config_problem(doc, new, weights))
         if problem:
             return RELOAD_REFUSED, f"refused: the daemon would not start on it: {problem}"
-        return 0, f"no daemon runs for this file: a start {run_words}"
+        return 0, f"no daemon runs for this file: a start {_run_words(new, weights)}"
     old = load_config(running["in_force"])
-    # The running run, as its config in force names its folders: `new` is mapped onto them, so
-    # that only an edit of the configured roots reads as a [paths] change.
-    current = next((r for r in registry.runs.values()
-                    if r.state_dir == old.paths.state_dir), None)
-    mapped = runs.run_config(new, current) if current else new
-    verdict = reload_verdict(old, mapped)
-    if verdict is not None:
-        kind, why = verdict
-        code = NEEDS_RESTART_CODE if kind == NEEDS_RESTART else RELOAD_REFUSED
-        return code, (f"{kind}: {why} (running daemon pid {running['pid']}; the edit changes "
-                      f"{', '.join(changed_keys(old, mapped))})")
-    if current is not None and (wanted is None or wanted.id != current.id):
+    # What the daemon holds: the config in force on the configured roots its runs live under.
+    root = old._replace(paths=PathsConfig(**{k: Path(v) for k, v in running["roots"].items()}))
+    registry = runs.read(root.paths.state_dir)
+    current = next(r for r in registry.runs.values() if r.state_dir == old.paths.state_dir)
+    with Ledger(layout.ledger(old.paths.state_dir), readonly=True, timeout=2.0) as ledger:
+        verdict = run_select.judge_reload(root, current, new, ledger.counts())
+    if verdict.kind == run_select.SWITCH:
         return 0, (f"switches runs on reload (systemctl reload eagle3d): sets {current.id} "
-                   f"aside and {run_words}")
-    keys = changed_keys(old, mapped)
-    return 0, ("applied live on reload (systemctl reload eagle3d): " + ", ".join(keys)
-               if keys else f"no change from the config in force ({running['in_force']})")
+                   f"aside and {_run_words(new, verdict.weights)}")
+    keys = changed_keys(root, new)
+    if verdict.kind != run_select.LIVE:
+        code = NEEDS_RESTART_CODE if verdict.kind == NEEDS_RESTART else RELOAD_REFUSED
+        return code, (f"{verdict.kind}: {verdict.why} (running daemon pid {running['pid']}; the "
+                      f"edit changes {', '.join(keys)})")
+    if not keys:
+        return 0, f"no change from the config in force ({running['in_force']})"
+    # A checkpoint is of one manifest: a grown one is trained again, from its first step.
+    grown = ("; [data] limit raised: the new samples are extracted and the drafter retrains "
+             "from step 0" if new.data.limit > root.data.limit else "")
+    return 0, "applied live on reload (systemctl reload eagle3d): " + ", ".join(keys) + grown
+
+
+def _run_words(new: Config, weights: str) -> str:
+    from eagle3d.statemachine import runs
+    wanted = runs.find(new, weights)
+    return (f"resumes run {wanted.id}" if wanted else
+            f"starts a new run {runs.run_key(new.contract_keys(), weights)}")
 
 
 def cmd_check_config(cfg: Config) -> int:

@@ -12,7 +12,9 @@ short-lived (rates, backoff timers): a restart continues exactly where the files
 The daemon works on one run at a time (statemachine/runs.py): the run of the config's capture
 contract. A reload that edits a contract key switches runs: the current run's stages stop within
 their bounds, its state stays as it is, and the stages are built again for the run of the new
-contract, resumed or new.
+contract, resumed or new. The stop takes up to the sum of the graces (a trainer's checkpoint,
+the engine's batch): it runs beside the loop, which meanwhile pings the watchdog and publishes
+"switching", and takes no request until the new run's stages are there.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from eagle3d.daemon import budgets, control, metrics, pipeline, progress, requests, run_select
 from eagle3d.daemon.children import end_orphans
@@ -33,8 +36,9 @@ from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
 from eagle3d.statemachine import entry, layout, pointer, runs, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
-from eagle3d.statemachine.config import (STOP_BUDGET_S, Config, ConfigError, daemon_problem,
-                                          load_config, reload_problem, write_in_force)
+from eagle3d.statemachine.config import (NEEDS_RESTART, REFUSED, STOP_BUDGET_S, Config,
+                                          ConfigError, daemon_problem, load_config,
+                                          write_in_force)
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Facts, Seen, Stage
 from eagle3d.statemachine.statefile import write_state
@@ -43,6 +47,15 @@ log = logging.getLogger("eagle3d")
 
 TICK = 0.25
 STATE_EVERY = 1.0
+
+
+class Switching(NamedTuple):
+    """A run switch under way: the set-aside run's stages stop in `stopper`, the loop publishes
+    `state` (their last snapshot) as "switching" meanwhile, and then goes on with `new`."""
+    new: Config
+    weights: str
+    stopper: threading.Thread
+    state: dict[str, Any]
 
 
 def prepare_dirs(cfg: Config) -> None:
@@ -84,6 +97,10 @@ class Daemon:
         self.config_problem_since: float | None = None
         self.switched: str | None = None  # which run was set aside for which, for status
         self.metrics_problem: str | None = None  # why the metrics textfile cannot be written
+        self.switching: Switching | None = None
+        self.set_aside: list[tuple[runs.Run, int]] = []  # the last sizes known
+        self._sizing: threading.Thread | None = None
+        self._publishing = threading.Lock()  # a stop's heartbeat publishes from its thread
         self._last_ping = 0.0
         self._last_progress = float("-inf")  # monotonic: a clock step never silences them
         self.enter(run_select.select(cfg))
@@ -113,7 +130,7 @@ class Daemon:
         # that 'has not started' while the daemon works on it.
         self._last_state = 0.0
         self.publish()
-        pointer.write(self.cfg.path, self.cfg.paths.state_dir)
+        pointer.write(self.cfg.path, self.cfg.paths.state_dir, self.root_cfg.paths._asdict())
 
     # ---- life cycle ---------------------------------------------------------------------------
 
@@ -156,15 +173,21 @@ class Daemon:
 
     def note_set_aside(self) -> None:
         """The set-aside runs and their sizes, read again whenever the registry changes (a run
-        forgotten by eagle3ctl): a stat per tick, a walk of their folders per change."""
+        forgotten by eagle3ctl): a stat per tick, and a walk of their folders per change, in a
+        thread of its own (seconds per million dumps); the last sizes known meanwhile."""
         root = self.root_cfg.paths.state_dir
         try:
             mtime = layout.runs_registry(root).stat().st_mtime
         except FileNotFoundError:
             mtime = 0.0
-        if mtime != self._registry_seen:
+        if mtime != self._registry_seen and not (self._sizing and self._sizing.is_alive()):
             self._registry_seen = mtime
-            self.set_aside = runs.set_aside(root)
+            self._sizing = threading.Thread(target=self._size_set_aside, args=(root,),
+                                            name="set-aside-sizes", daemon=True)
+            self._sizing.start()
+
+    def _size_set_aside(self, root: Path) -> None:
+        self.set_aside = runs.set_aside(root)  # one assignment: the old list or the new, whole
 
     def recover(self) -> None:
         """Facts first: end the previous life's children, return in-flight samples, clean up."""
@@ -195,7 +218,11 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping (within %.0f s)", STOP_BUDGET_S)
         self.stopping = True
-        self.stop_stages(deadline, "daemon stopped")
+        if self.switching is not None:  # the set-aside run's stages are stopping already
+            self.switching.stopper.join(max(0.0, deadline - time.monotonic()))
+            self.switching = None  # the run stays current: the next start switches again
+        else:
+            self.stop_stages(deadline, "daemon stopped")
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
         pointer.remove(self.cfg.path)
@@ -210,11 +237,16 @@ class Daemon:
     # ---- the tick -----------------------------------------------------------------------------
 
     def tick(self) -> None:
-        control.apply_all(self.cfg.paths.state_dir,
-                          lambda request: requests.handle(request, self.ledger, self.unblock))
-        if self.reload_requested:
+        if self.reload_requested and self.switching is None:  # one taken during a switch waits
             self.reload_requested = False
             self.reload()
+        if self.switching is not None:
+            if self.switching.stopper.is_alive():
+                self.publish()
+                return
+            self.finish_switch()
+        control.apply_all(self.cfg.paths.state_dir,
+                          lambda request: requests.handle(request, self.ledger, self.unblock))
         decision = stages.derive(self.observe())
         if self.decision is None or decision.stage != self.decision.stage:
             self.stage_since = time.time()
@@ -256,22 +288,20 @@ class Daemon:
         self.notifier.reloading()
         try:
             new = load_config(self.root_cfg.path)
-            problem = reload_problem(self.root_cfg, new)
-            weights = run_select.weights_of(new)
-            switch = runs.run_key(new.contract_keys(), weights) != self.current.key
-            if switch and not problem:
-                problem = (run_select.sharded_switch_problem(new, weights)
-                           or self.new_run_problem(new, weights))
+            verdict = run_select.judge_reload(self.root_cfg, self.current, new,
+                                              self.ledger.counts())
         except ConfigError as exc:
-            problem = f"the new config does not validate: {exc}"
-        if problem:
+            verdict = run_select.Verdict(REFUSED, f"the new config does not validate: {exc}")
+        if verdict.kind in (NEEDS_RESTART, REFUSED):
+            problem = verdict.why
             self.config_problem = f"reload refused, the old config stays in force: {problem}"
             self.config_problem_since = time.time()
             log.error("%s", self.config_problem)
             self.ledger.event("reload_refused", problem)
-        elif switch:
+        elif verdict.kind == run_select.SWITCH:
             self.config_problem = None
-            self.switch(new, weights)
+            self.switch(new, verdict.weights)
+            return  # ready once the new run's stages are there
         else:
             self.root_cfg = new
             self.cfg = runs.run_config(new, self.current)
@@ -283,36 +313,46 @@ class Daemon:
             self.ledger.event("reloaded", str(new.path))
         self.notifier.ready()
 
-    def new_run_problem(self, new: Config, weights: str) -> str | None:
-        """Why a switch to a new run must be refused: the current run's bytes per sample, times
-        the new run's samples, do not fit the dataset disk. A run to resume is always taken."""
-        if runs.find(new, weights) is not None:
-            return None
-        counts = self.ledger.counts()
-        done = counts.get("extracted") + counts.get("verified")
-        if not done:
-            return None
-        projected = sum(counts.bytes.values()) // done * new.data.limit
-        free = budgets.disks(self.cfg)[0].free
-        return budgets.projection_pause(new, free, projected)
-
     def switch(self, new: Config, weights: str) -> None:
-        """Set the current run aside (its stages stopped within their bounds, its state intact)
-        and go on with the run of `new`'s contract: resumed where it stopped, or new."""
-        before = self.current
-        self.stop_stages(time.monotonic() + STOP_BUDGET_S, "run set aside")
-        self.publish(final=True)  # its state file says where it stopped
+        """Set the current run aside: its stages stop within their bounds, in a thread, while
+        the loop keeps the watchdog and the state file going (finish_switch takes it on)."""
+        reason = (f"setting run {self.current.id} aside for "
+                  f"{runs.run_key(new.contract_keys(), weights)}: its stages stop (within "
+                  f"{STOP_BUDGET_S:.0f} s)")
+        log.info("%s", reason)
+        state = {**snapshot(self), "stage": "switching", "reason": reason, "since": time.time()}
+        stopper = threading.Thread(target=self.stop_stages, name="run-switch", daemon=True,
+                                   args=(time.monotonic() + STOP_BUDGET_S, "run set aside"))
+        self.switching = Switching(new, weights, stopper, state)
+        stopper.start()
+        self._last_state = 0.0
+        self.publish()
+
+    def finish_switch(self) -> None:
+        """The set-aside run's stages have stopped (its state intact): go on with the run of
+        the new contract, resumed where it stopped, or new."""
+        assert self.switching is not None
+        new, weights = self.switching.new, self.switching.weights
+        self.switching = None
+        before, stopped = self.cfg, snapshot(self, final=True)
         self.root_cfg = new
         selected = run_select.select(new, weights)
-        self.ledger.event("run_set_aside", f"{before.id}; now {selected.run.id}")
+        self.ledger.event("run_set_aside", f"{self.current.id}; now {selected.run.id}")
         self.ledger.close()
         self.enter(selected)
+        # Its state file says where it stopped: once eagle3ctl finds the new run, never before.
+        self._write_state(before, stopped)
         self.recover_run("run resumed")
         log.info("config reloaded from %s", new.path)
+        self.notifier.ready()
 
     # ---- publishing ---------------------------------------------------------------------------
 
     def publish(self, final: bool = False) -> None:
+        with self._publishing:
+            self._publish(final)
+
+    def _publish(self, final: bool) -> None:
         now = time.time()
         ping = self.notifier.watchdog_interval()
         if ping is not None and now - self._last_ping >= ping:
@@ -321,11 +361,11 @@ class Daemon:
         if not final and now - self._last_state < STATE_EVERY:
             return
         self._last_state = now
-        state = snapshot(self, final)
-        write_state(self.cfg.paths.state_dir, state)
-        if self.cfg.shard.count > 1:  # for the training node, which never opens this ledger
-            write_state(self.cfg.paths.state_dir, state,
-                        layout.published_state(self.cfg.paths.dataset_dir))
+        # While a switch stops the stages, their last snapshot, alive: nothing else reads them.
+        state = (snapshot(self, final) if self.switching is None else
+                 {**self.switching.state, "updated": now,
+                  "daemon": {**self.switching.state["daemon"], "heartbeat": now}})
+        self._write_state(self.cfg, state)
         if self.cfg.metrics.textfile:
             self.write_metrics(state)
         status = progress.line(state)
@@ -347,6 +387,12 @@ class Daemon:
             self.metrics_problem = problem
         else:
             self.metrics_problem = None
+
+    @staticmethod
+    def _write_state(cfg: Config, state: dict[str, Any]) -> None:
+        write_state(cfg.paths.state_dir, state)
+        if cfg.shard.count > 1:  # for the training node, which never opens this ledger
+            write_state(cfg.paths.state_dir, state, layout.published_state(cfg.paths.dataset_dir))
 
 
 def run(config_path: str, until: str | None) -> int:

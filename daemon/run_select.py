@@ -4,11 +4,14 @@ weights) matches, resumed, or a new one (statemachine/runs.py keeps the registry
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from eagle3d.daemon import budgets
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout, runs
-from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.config import (REFUSED, Config, ConfigError, load_config,
+                                          reload_verdict)
+from eagle3d.statemachine.ledger import Counts
 from eagle3d.target import loading
 
 
@@ -52,6 +55,42 @@ def sharded_switch_problem(cfg: Config, weights: str) -> str | None:
     if not registry.runs or (found is not None and found.in_place):
         return None
     return f"{cfg.path}: {SHARDED_RUNS}"
+
+
+LIVE, SWITCH = "applied live", "switches runs"
+
+
+class Verdict(NamedTuple):
+    kind: str  # LIVE, SWITCH, or config.NEEDS_RESTART or REFUSED with `why`
+    why: str = ""
+    weights: str = ""  # the new config's target weights fingerprint, once read
+
+
+def judge_reload(root: Config, current: runs.Run, new: Config, counts: Counts) -> Verdict:
+    """What a reload does with `new`, for a daemon holding `root` (the configured roots) on
+    `current` with the ledger's `counts`: the one judgement of the reload and of check-config."""
+    verdict = reload_verdict(root, new)
+    if verdict is not None:
+        return Verdict(*verdict)
+    weights = weights_of(new)
+    if runs.run_key(new.contract_keys(), weights) == current.key:
+        return Verdict(LIVE, weights=weights)
+    problem = (sharded_switch_problem(new, weights) or
+               new_run_problem(runs.run_config(root, current), counts, new, weights))
+    return Verdict(REFUSED, problem, weights) if problem else Verdict(SWITCH, weights=weights)
+
+
+def new_run_problem(cfg: Config, counts: Counts, new: Config, weights: str) -> str | None:
+    """Why a switch from the run of `cfg` to a new run must be refused: its bytes per sample,
+    times the new run's samples, do not fit the dataset disk. A run to resume is always taken."""
+    if runs.find(new, weights) is not None:
+        return None
+    done = counts.get("extracted") + counts.get("verified")
+    if not done:
+        return None
+    projected = sum(counts.bytes.values()) // done * new.data.limit
+    free = budgets.disks(cfg)[0].free
+    return budgets.projection_pause(new, free, projected)
 
 
 def select(cfg: Config, weights: str | None = None) -> runs.Selected:

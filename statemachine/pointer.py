@@ -19,14 +19,17 @@ from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 
 
-def write(config: Path, state_dir: Path) -> Path | None:
+def write(config: Path, state_dir: Path, roots: dict[str, Path]) -> Path | None:
     """Say that this process is the daemon of `config`, holding its config in force in
-    `state_dir`; returns the pointer's path, None where it cannot be written (the daemon runs
-    on: eagle3ctl then finds it through the file's own [paths], as before pointers)."""
+    `state_dir`, and the configured [paths] `roots` its runs live under (check-config judges an
+    edit against them, as a reload does); returns the pointer's path, None where it cannot be
+    written (the daemon runs on: eagle3ctl then finds it through the file's own [paths], as
+    before pointers)."""
     import tomli_w  # only the daemon writes it; eagle3ctl must start in a blink
     path = layout.daemon_pointer(config)
     doc = {"pid": os.getpid(), "config": str(Path(config).resolve()),
-           "state_dir": str(state_dir), "in_force": str(layout.config_in_force(state_dir))}
+           "state_dir": str(state_dir), "in_force": str(layout.config_in_force(state_dir)),
+           "roots": {key: str(root) for key, root in roots.items()}}
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         if not _trusted(path.parent):

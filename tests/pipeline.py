@@ -27,6 +27,15 @@ def ctl(config: Path, *args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=120)
 
 
+def switch(daemon: Any) -> None:
+    """An in-process daemon's reload of another contract, taken to its end without a tick: the
+    set-aside run's stages stopped, the new run entered (none of its stages stepped yet)."""
+    daemon.reload()
+    assert daemon.switching is not None, daemon.config_problem
+    daemon.switching.stopper.join()
+    daemon.finish_switch()
+
+
 def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.5) -> Any:
     deadline = time.time() + timeout
     while time.time() < deadline:

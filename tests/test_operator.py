@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
 from eagle3d.daemon.ctl import (EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
                                 WAITS_FOR_OPERATOR)
@@ -228,3 +229,48 @@ def test_a_spool_cap_below_one_batch_pauses_extraction_with_its_key(config_facto
         pause = ExtractStage(cfg, ledger, cfg.paths.state_dir).budget_pause(ledger.counts())
     assert pause and "[budget] spool_max (1.0 KiB) is smaller than one batch" in pause, pause
     assert "[extract] batch_tokens" in pause
+
+
+# An edit, and what both check-config and then the reload itself make of it.
+RELOAD_CASES = {
+    "dataset_dir moved": ({}, ("paths", {"dataset_dir": "elsewhere"}), NEEDS_RESTART_CODE,
+                          "[paths] dataset_dir changed"),
+    "a shard's contract edited": ({"data": {"shards": 2, "shard": 0}},
+                                  ("target", {"dtype": "bfloat16"}), RELOAD_REFUSED,
+                                  "a sharded extraction keeps one run per set of roots"),
+}
+
+
+@pytest.mark.parametrize("case", list(RELOAD_CASES))
+def test_check_config_says_what_the_reload_then_does(config_factory, tmp_path, case):
+    """check-config judges an edit exactly as the running daemon's reload then does: a moved
+    [paths] folder needs a restart (never "no change"), and a sharded node's contract edit is
+    refused (never "switches runs")."""
+    overrides, (section, values), code, why = RELOAD_CASES[case]
+    config = config_factory(overrides)
+    daemon = Daemon(load_config(config))
+    try:
+        first = daemon.current
+        edit(config, section, **{k: str(tmp_path / v) if section == "paths" else v
+                                 for k, v in values.items()})
+        checked = ctl(config, "check-config")
+        assert checked.returncode == code and why in checked.stderr, checked
+        daemon.reload()
+        assert daemon.switching is None and daemon.current == first
+        assert why in daemon.config_problem, daemon.config_problem  # status: exit 5
+    finally:
+        daemon.ledger.close()
+
+
+def test_check_config_says_a_raised_limit_retrains_from_step_0(config_factory):
+    """A checkpoint is of one manifest: raising [data] limit trains the grown dataset from its
+    first step, and check-config says so rather than promising to keep the training done."""
+    config = config_factory()
+    daemon = Daemon(load_config(config))
+    try:
+        edit(config, "data", limit=daemon.cfg.data.limit * 2)
+        checked = ctl(config, "check-config")
+        assert checked.returncode == 0 and "applied live" in checked.stdout, checked
+        assert "[data] limit raised" in checked.stdout and "retrains from step 0" in checked.stdout
+    finally:
+        daemon.ledger.close()

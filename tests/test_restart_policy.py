@@ -177,3 +177,21 @@ def test_a_fatal_exit_is_recorded_once_and_a_reload_retries_what_a_config_mends(
     status = case.stage.status()
     assert (case.stage.supervisor.state, bool(status["blocked"])) == \
         (("stopped", False) if retried else ("fatal", True))
+
+
+@pytest.mark.parametrize("made", list(STAGES), indirect=True)
+def test_crashes_further_apart_than_the_window_never_use_up_the_limit(made):
+    """A child that crashes now and then (days apart in a real install; a second apart here)
+    is restarted every time: only the restarts within the window count against the limit, and a
+    crash loop inside it still ends FATAL."""
+    case = made
+    case.stage.supervisor.window_s = 1.0
+    for _ in range(3):  # the limit is 1
+        case.crash(1)
+        assert case.stage.supervisor.state == "backoff"
+        assert case.stage.status()["restarts"] == 1 and not case.stage.status()["blocked"]
+        time.sleep(1.1)
+    case.crash(1)
+    case.crash(1)
+    assert case.stage.supervisor.state == "fatal"
+    assert "2 times within" in case.stage.status()["blocked"]

@@ -13,7 +13,7 @@ from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs
 from eagle3d.statemachine.config import load_config, load_in_force, write_in_force
 from eagle3d.statemachine.ledger import Ledger
-from tests.pipeline import ctl, edit_config, status
+from tests.pipeline import ctl, edit_config, status, switch, wait_for
 from tests.test_extract_stage import plan
 
 
@@ -112,12 +112,15 @@ def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_fact
     daemon = Daemon(load_config(path))  # starts on the new contract: the old run set aside
     try:
         assert daemon.current.id != old.id and daemon.cfg.paths.dataset_dir.is_dir()
-        reason = daemon.observe().budget_pause
+        # The sizes are walked beside the loop: the budget names them once they are known.
+        reason = wait_for(lambda: "set aside" in daemon.observe().budget_pause and
+                          daemon.observe().budget_pause, 10, "the set-aside run's size")
         assert "the dataset file system has" in reason
         assert f"runs set aside hold 3.0 MiB on it, reclaimable with eagle3ctl forget RUN " \
                f"--reason TEXT: {old.id} (3.0 MiB)" in reason
         assert ctl(path, "forget", old.id, "--reason", "done with it").returncode == 0
-        assert "set aside" not in daemon.observe().budget_pause
+        wait_for(lambda: "set aside" not in daemon.observe().budget_pause, 10,
+                 "the forgotten run's bytes gone from the budget")
         assert not (a.paths.dataset_dir / "shard-0000").exists()
         with Ledger(layout.ledger(daemon.cfg.paths.state_dir), readonly=True) as ledger:
             assert "done with it" in ledger.events_of(("run_forgotten",))[0][2]
@@ -160,7 +163,7 @@ def test_status_names_the_new_run_from_the_moment_a_reload_enters_it(config_fact
         first = daemon.current
         assert status(path)["run"]["id"] == first.id
         edit_config(path, "target", dtype="bfloat16")
-        daemon.reload()  # no tick after it: the first state file comes from entering the run
+        switch(daemon)  # no tick after it: the first state file comes from entering the run
         st = status(path)
         assert daemon.current.id != first.id
         assert st["run"]["id"] == daemon.current.id and st["daemon"]["alive"], st

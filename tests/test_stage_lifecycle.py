@@ -5,19 +5,24 @@ standing in for the trainer and the evaluation, which write the files the real o
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from eagle3d.daemon import control, train_stage
+from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout, manifest, train_files
 from eagle3d.statemachine.config import Config, load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Stage
-from tests.pipeline import edit_config, wait_for
+from eagle3d.statemachine.statefile import read_state
+from tests.pipeline import ctl, edit_config, switch, wait_for
 from tests.test_extract_stage import FakeEngine, plan
 
 GRACE = 7.0
@@ -31,7 +36,7 @@ dataset, train, log, run = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]),
     sys.argv[4] == "run"
 note = lambda what: open(log, "a").write(what + "\\n")
 def checkpoint(*_):
-    time.sleep(1.0)  # a checkpoint takes its time
+    time.sleep(float(sys.argv[5]))  # a checkpoint takes its time
     note("checkpoint")
     sys.exit(0)
 signal.signal(signal.SIGTERM, checkpoint)
@@ -87,10 +92,10 @@ def pipeline(config_factory, tmp_path, monkeypatch):
         return engines[-1]
     go = tmp_path / "go"
 
-    def children(trainer_runs: bool) -> None:
+    def children(trainer_runs: bool, checkpoint_s: float = 1.0) -> None:
         monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: [
             sys.executable, "-c", TRAINER, str(cfg.paths.dataset_dir), str(cfg.paths.train_dir),
-            str(log), "run" if trainer_runs else "exit"])
+            str(log), "run" if trainer_runs else "exit", str(checkpoint_s)])
         monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: [
             sys.executable, "-c", EVALUATE, str(cfg.paths.train_dir), str(log), str(go)])
     daemon = Daemon(cfg, engine_factory=factory)
@@ -172,12 +177,12 @@ def test_a_target_switch_during_training_checkpoints_and_switching_back_resumes(
     tick_until(lambda: any(line.startswith("train") for line in lines()), "the trainer at work")
     first = daemon.current
     edit_config(cfg.path, "target", dtype="bfloat16")
-    daemon.reload()
+    switch(daemon)
     assert lines()[-1] == "checkpoint" and daemon.current.id != first.id
     assert daemon.cfg.paths.train_dir == cfg.paths.train_dir / "runs" / daemon.current.id
     assert daemon.switched == f"{first.id} set aside, {daemon.current.id} started"
     edit_config(cfg.path, "target", dtype="float32")
-    daemon.reload()
+    switch(daemon)
     assert daemon.current.id == first.id and daemon.cfg.paths == cfg.paths
     tick_until(lambda: [line.split()[0] for line in lines()] == ["engine", "train", "checkpoint",
                                                                   "train"],
@@ -185,3 +190,53 @@ def test_a_target_switch_during_training_checkpoints_and_switching_back_resumes(
     trained = [line for line in lines() if line.startswith("train")]
     assert trained[0] == trained[1]  # the same verified set: nothing was redone
     assert len(engines) == 1  # no sample of the first run was extracted again
+
+
+def test_a_switch_keeps_the_watchdog_and_status_going_while_the_trainer_checkpoints(
+        pipeline, monkeypatch, tmp_path):
+    """A reload of another contract while the trainer takes 12 s to checkpoint: the loop goes on
+    ticking (no tick blocks for the stop), pings systemd's watchdog, and keeps the state file's
+    heartbeat fresh, so that `eagle3ctl status` says "switching" and exits 0 throughout, never
+    NOT RUNNING; then the new run is entered."""
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, _ = pipeline
+    children(trainer_runs=True, checkpoint_s=12.0)
+    tick_until(lambda: any(line.startswith("train") for line in lines()), "the trainer at work")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(tmp_path / "notify"))
+    sock.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "2000000")  # a ping every second
+    monkeypatch.setenv("WATCHDOG_PID", str(os.getpid()))
+    daemon.notifier = Notifier.from_env()  # as systemd would have started it
+    first = daemon.current
+    edit_config(cfg.path, "target", dtype="bfloat16")
+    pings: list[float] = []
+    shown: list[tuple[int, str, float]] = []
+    started = asked = time.monotonic()
+    daemon.reload()
+    while daemon.current.id == first.id:
+        assert time.monotonic() - started < 60, "the switch never ended"
+        began = time.monotonic()
+        daemon.tick()
+        assert time.monotonic() - began < 2.0, "a tick waited for the stop"
+        while True:
+            try:
+                message = sock.recv(4096).decode()
+            except BlockingIOError:
+                break
+            if "WATCHDOG=1" in message.split("\n"):
+                pings.append(time.monotonic())
+        if daemon.current.id == first.id and time.monotonic() - asked > 2:
+            out = ctl(cfg.path, "status")
+            state = read_state(first.state_dir)[0]
+            shown.append((out.returncode, out.stdout + out.stderr, state["daemon"]["heartbeat"]))
+            asked = time.monotonic()
+        time.sleep(0.25)
+    sock.close()
+    assert time.monotonic() - started > 10 and lines()[-1] == "checkpoint"
+    assert len(shown) >= 3, shown
+    for code, text, _ in shown:
+        assert code == 0 and "stage     switching" in text and "NOT RUNNING" not in text, text
+    heartbeats = [beat for _, _, beat in shown]
+    assert heartbeats == sorted(set(heartbeats)), "the heartbeat stood still"
+    assert len(pings) >= 8 and max(b - a for a, b in zip(pings, pings[1:])) < 3, pings
