@@ -19,7 +19,7 @@ from eagle3d.statemachine.stages import ORDER
 from eagle3d.statemachine.version import VERSION
 
 # Every stage a state file can name: the pipeline's, and the daemon's own conditions.
-STAGES = (*ORDER, "paused", "failed", "stopping", "stopped")
+STAGES = (*ORDER, "paused", "failed", "switching", "stopping", "stopped")
 CHILDREN = ("planner", "generate", "engine", "trainer")
 Sample = tuple[str, dict[str, str], float]  # name, its own labels, value
 
@@ -31,7 +31,7 @@ def render(state: dict[str, Any], shard: str = "") -> str:
         base["shard"] = shard
     families: dict[str, list[str]] = {}  # the format wants each family's lines together
     for name, labels, value in _samples(state):
-        if value is None or not math.isfinite(float(value)):
+        if not isinstance(value, (int, float)) or not math.isfinite(value):
             continue  # a figure not known yet (no rate before the first dump) is left out
         family = name.removesuffix("_total")
         lines = families.setdefault(family, [
@@ -88,7 +88,8 @@ def _trainer(trainer: dict[str, Any]) -> Iterator[Sample]:
     yield "eagle3d_train_step", {}, trainer.get("step")
     yield "eagle3d_train_steps_planned", {}, trainer.get("total_steps")
     yield "eagle3d_train_loss", {}, trainer.get("loss")
-    yield "eagle3d_train_accuracy_ratio", {}, trainer.get("acc")
+    for k, acc in enumerate(trainer.get("acc") or []):
+        yield "eagle3d_train_accuracy_ratio", {"ttt_step": str(k)}, acc
     yield "eagle3d_train_tokens_per_second", {}, trainer.get("tokens_per_s")
     yield "eagle3d_train_data_wait_ratio", {}, trainer.get("data_wait")
     yield "eagle3d_acceptance_length", {}, trainer.get("acceptance_length")
@@ -139,7 +140,7 @@ HELP = {
     "eagle3d_train_step": "the trainer's last step",
     "eagle3d_train_steps_planned": "steps the training will take",
     "eagle3d_train_loss": "the trainer's recent loss",
-    "eagle3d_train_accuracy_ratio": "the trainer's recent top-1 accuracy of the first draft step",
+    "eagle3d_train_accuracy_ratio": "the trainer's top-1 accuracy at each draft (TTT) step",
     "eagle3d_train_tokens_per_second": "tokens per second trained, recent",
     "eagle3d_train_data_wait_ratio": "share of the trainer's recent time spent waiting for data",
     "eagle3d_acceptance_length": "the exported drafter's acceptance length on held-out prompts",

@@ -74,9 +74,10 @@ def _train(state: dict[str, Any]) -> str:
     if "step" not in t:
         return f"trainer {t.get('status', 'starting')}"
     out = f"step {t['step']}/{t.get('total_steps', '?')}"
-    for key, label in (("loss", "loss"), ("acc", "accuracy")):
-        if t.get(key) is not None:
-            out += f", {label} {t[key]:.3f}"
+    if t.get("loss") is not None:
+        out += f", loss {t['loss']:.3f}"
+    if t.get("acc"):  # one per TTT step
+        out += ", accuracy " + "/".join(f"{a:.2f}" for a in t["acc"])
     return out + (f", {t['tokens_per_s']:,.0f} tokens/s" if t.get("tokens_per_s") else "")
 
 
