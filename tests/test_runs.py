@@ -95,8 +95,43 @@ def test_forget_refuses_the_current_run_and_a_forgotten_run_is_never_resumed(con
     text = ctl(path, "runs").stdout
     assert "forgotten: old target" in text and f"* {again.run.id}" in text
     with pytest.raises(ValueError, match="forgotten already"):
-        runs.forget(a.paths.state_dir, first.id, "twice")
+        runs.forget(a, first.id, "twice")
     assert time.time() - again.run.created < 60
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_forget_never_deletes_a_root_or_another_runs_folder_inside_the_run_in_place(
+        config_factory, tmp_path):
+    """[paths] that nest are refused, but a root moved since a run was made can sit inside that
+    run's folders: here dataset_dir and the spool moved into the first run's dataset folder. Its
+    forget deletes its own files and leaves the current run's, and the spool's, byte for byte."""
+    path = config_factory()
+    a = load_config(path)
+    first = run_select.select(a).run
+    prepare_dirs(a)
+    (a.paths.dataset_dir / "shard-00000").mkdir()
+    (a.paths.dataset_dir / "shard-00000" / "x.safetensors").write_bytes(b"a" * 4096)
+    moved = {"dataset_dir": str(a.paths.dataset_dir / "moved"),
+             "spool_dir": str(a.paths.dataset_dir / "spool")}  # a restart with [paths] edited
+    config_factory({"target": {"dtype": "bfloat16"}, "paths": moved})
+    b = load_config(path)
+    second = run_select.select(b).run
+    b_cfg = runs.run_config(b, second)
+    prepare_dirs(b_cfg)
+    for folder in (b_cfg.paths.dataset_dir, b_cfg.paths.spool_dir, b_cfg.paths.train_dir):
+        (folder / "shard-00000").mkdir()
+        (folder / "shard-00000" / "y.safetensors").write_bytes(b"b" * 8192)
+    (b_cfg.paths.dataset_dir / "manifest.json").write_text('{"samples": []}')
+    kept = {folder: _files(folder) for folder in (b_cfg.paths.dataset_dir,
+                                                  b_cfg.paths.spool_dir, b_cfg.paths.train_dir)}
+    forgot = ctl(path, "forget", first.id, "--reason", "old target")
+    assert forgot.returncode == 0, forgot.stderr
+    assert "forgotten, 4.0 KiB freed" in forgot.stdout  # the first run's file, nothing else
+    assert not (a.paths.dataset_dir / "shard-00000").exists()
+    assert {folder: _files(folder) for folder in kept} == kept
 
 
 def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_factory):
