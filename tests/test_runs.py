@@ -9,8 +9,9 @@ import time
 import pytest
 
 from eagle3d.daemon import run_select
+from eagle3d.daemon.ctl import results_summary
 from eagle3d.daemon.reconcile import Daemon, prepare_dirs
-from eagle3d.statemachine import layout, runs
+from eagle3d.statemachine import layout, runs, train_files
 from eagle3d.statemachine.config import load_config, load_in_force, write_in_force
 from eagle3d.statemachine.ledger import Ledger
 from tests.pipeline import ctl, edit_config, status
@@ -132,6 +133,37 @@ def test_forget_never_deletes_a_root_or_another_runs_folder_inside_the_run_in_pl
     assert "forgotten, 4.0 KiB freed" in forgot.stdout  # the first run's file, nothing else
     assert not (a.paths.dataset_dir / "shard-00000").exists()
     assert {folder: _files(folder) for folder in kept} == kept
+
+
+def _trained(cfg, acceptance: float) -> None:
+    """A run's folders as the daemon leaves them after its drafter is exported and evaluated."""
+    prepare_dirs(cfg)
+    write_in_force(cfg)
+    layout.export_dir(cfg.paths.train_dir).mkdir()
+    (layout.export_dir(cfg.paths.train_dir) / "config.json").write_text("{}")
+    train_files.write_eval(layout.eval_file(cfg.paths.train_dir), {
+        "acceptance_length": acceptance, "acceptance_length_ci95": [acceptance - 0.1,
+                                                                    acceptance + 0.1],
+        "prompts": 4})
+
+
+def test_run_until_done_names_the_current_runs_drafter_after_a_switch(config_factory):
+    """What `eagle3d run --until done` prints at its end: the drafter of the run it ended in,
+    with its acceptance length; never the first run's in the configured train folder, which a
+    script copying the path to serving would ship for the other target."""
+    path = config_factory()
+    a = load_config(path)
+    run_select.select(a)
+    _trained(a, 1.5)
+    config_factory({"target": {"dtype": "bfloat16"}})
+    b = load_config(path)
+    b_cfg = runs.run_config(b, run_select.select(b).run)
+    _trained(b_cfg, 2.5)
+    summary = results_summary(str(path))
+    assert f"drafter:  {layout.export_dir(b_cfg.paths.train_dir)}  (SGLang" in summary, summary
+    assert "acceptance length: 2.500" in summary
+    assert str(layout.export_dir(a.paths.train_dir)) not in summary
+    assert str(layout.eval_file(b_cfg.paths.train_dir)) in summary
 
 
 def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_factory):
