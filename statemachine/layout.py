@@ -181,6 +181,12 @@ def runs_lock(state_root: Path) -> Path:
     return Path(state_root) / "runs.lock"
 
 
+def operator_pause(state_root: Path) -> Path:
+    """`eagle3ctl pause`'s reason while the operator holds the daemon paused: beside the
+    registry, so that it pauses whatever run is current, across switches (daemon/requests.py)."""
+    return Path(state_root) / "pause.txt"
+
+
 def run_folder(root: Path, run_id: str) -> Path:
     """A further run's folder under one configured root."""
     return Path(root) / "runs" / run_id
@@ -188,5 +194,6 @@ def run_folder(root: Path, run_id: str) -> Path:
 
 # The names in a configured root that are not the in-place run's own: forgetting that run
 # keeps them. Taken from the functions that name them, so a rename cannot slip past `forget`.
-ROOT_SHARED = tuple(f(Path()).name for f in (runs_registry, runs_lock, children_dir)) + (
+ROOT_SHARED = tuple(f(Path()).name for f in (runs_registry, runs_lock, operator_pause,
+                                              children_dir)) + (
     run_folder(Path(), "-").parent.name,)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from eagle3d.daemon import run_select
+from eagle3d.daemon import control, run_select
 from eagle3d.daemon.ctl import results_summary
 from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs, train_files
@@ -232,4 +232,45 @@ def test_status_names_the_new_run_from_the_moment_a_reload_enters_it(config_fact
         assert daemon.current.id != first.id
         assert st["run"]["id"] == daemon.current.id and st["daemon"]["alive"], st
     finally:
+        daemon.ledger.close()
+
+
+def test_an_operators_pause_holds_across_a_run_switch(config_factory):
+    """`eagle3ctl pause` pauses the daemon, not a run: a reload that switches targets lands in
+    the new run paused, with the operator's reason, until `eagle3ctl resume`."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    try:
+        control.submit(daemon.cfg.paths.state_dir, "pause", {"reason": "disk maintenance"})
+        daemon.tick()
+        first = daemon.current
+        edit_config(path, "target", dtype="bfloat16")
+        daemon.reload()
+        daemon.tick()
+        st = status(path)
+        assert daemon.current.id != first.id and st["run"]["id"] == daemon.current.id
+        assert st["stage"] == "paused" and st["paused_by"] == "operator", st
+        assert "paused by the operator: disk maintenance" in st["reason"]
+        control.submit(daemon.cfg.paths.state_dir, "resume", {})
+        daemon.tick()
+        assert status(path)["stage"] == "plan"
+    finally:
+        daemon.stop_stages(time.monotonic() + 30, "test over")
+        daemon.ledger.close()
+
+
+def test_a_pause_kept_in_the_ledger_before_an_upgrade_still_holds(config_factory):
+    """A daemon paused before pauses outlived runs kept the pause in its run's ledger: the
+    upgraded daemon starts paused, the pause moved to where every run reads it."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    try:
+        daemon.ledger.set_meta("pause", "model swap (since 2026-12-01 10:00:00)")
+        daemon.recover()
+        daemon.tick()
+        assert status(path)["reason"] == ("paused by the operator: model swap "
+                                          "(since 2026-12-01 10:00:00)")
+        assert daemon.ledger.meta("pause") is None
+    finally:
+        daemon.stop_stages(time.monotonic() + 30, "test over")
         daemon.ledger.close()
