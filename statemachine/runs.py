@@ -185,20 +185,25 @@ def find(cfg: Config, weights: str) -> Run | None:
 
 # ---- sizes and forgetting -----------------------------------------------------------------------
 
-def _within(path: Path, folder: Path) -> bool:
-    """`path` is `folder` or inside it, symlinks followed."""
-    path, folder = Path(os.path.realpath(path)), Path(os.path.realpath(folder))
-    return path == folder or folder in path.parents
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
 
 
-def _kept(reg: Registry, run: Run, roots: tuple[Path, ...]) -> list[Path]:
-    """What a run's data must neither be nor hold: the configured roots (`roots`, and the run
-    in place's folders, which are the roots) and every other run's folders."""
-    kept = list(roots)
+def _kept(reg: Registry, run: Run, roots: tuple[Path, ...]) -> set[Path]:
+    """What a run's data must neither be nor hold, symlinks followed: the configured roots
+    (`roots`, and the run in place's folders, which are the roots) and every other run's
+    folders."""
+    kept = set(roots)
     for other in reg.runs.values():
         if other.id != run.id or other.in_place:
-            kept += [getattr(other, k) for k in FOLDERS]
-    return kept
+            kept.update(getattr(other, k) for k in FOLDERS)
+    return {_real(k) for k in kept}
+
+
+def _holds(path: Path, kept: set[Path]) -> bool:
+    """`path` is one of `kept` or holds one."""
+    real = _real(path)
+    return any(k == real or real in k.parents for k in kept)
 
 
 def owned(reg: Registry, run: Run, folders: tuple[str, ...] = FOLDERS,
@@ -214,7 +219,7 @@ def owned(reg: Registry, run: Run, folders: tuple[str, ...] = FOLDERS,
             continue
         entries = ([p for p in folder.iterdir() if p.name not in layout.ROOT_SHARED]
                    if run.in_place else [folder])
-        found += [p for p in entries if not any(_within(k, p) for k in kept)]
+        found += [p for p in entries if not _holds(p, kept)]
     return found
 
 
