@@ -113,14 +113,18 @@ def test_sizes():
     assert parse_size(4096) == 4096
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"extract": {"batch_tokenz": 5}}, "[extract.batch_tokenz] unknown key"),
+    ({"paths": {"train_dir": "dataset/train"}}, "[paths.train_dir] is inside [paths] dataset_dir"),
+], ids=["unknown key", "nested paths"])
 @pytest.mark.parametrize("tool", ["eagle3ctl", "eagle3d"])
-def test_commands_refuse_a_bad_config_with_exit_2(tmp_path, tool):
-    path = make_config(tmp_path, {"extract": {"batch_tokenz": 5}})
+def test_commands_refuse_a_bad_config_with_exit_2(tmp_path, tool, change, message):
+    path = make_config(tmp_path, change)
     argv = [venv_bin(tool), "-c", str(path), "check-config"] if tool == "eagle3ctl" else \
         [venv_bin(tool), "run", "-c", str(path), "--until", "plan"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "[extract.batch_tokenz] unknown key" in proc.stderr
+    assert message in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

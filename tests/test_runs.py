@@ -135,6 +135,17 @@ def test_forget_never_deletes_a_root_or_another_runs_folder_inside_the_run_in_pl
     assert {folder: _files(folder) for folder in kept} == kept
 
 
+def test_a_reload_refuses_nested_paths_naming_the_key(config_factory):
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    try:
+        edit_config(path, "paths", spool_dir=str(daemon.root_cfg.paths.state_dir / "spool"))
+        daemon.reload()
+        assert "[paths.spool_dir] is inside [paths] state_dir" in daemon.config_problem
+    finally:
+        daemon.ledger.close()
+
+
 def _trained(cfg, acceptance: float) -> None:
     """A run's folders as the daemon leaves them after its drafter is exported and evaluated."""
     prepare_dirs(cfg)
