@@ -252,9 +252,10 @@ def render_status(st: dict[str, Any]) -> str:
 
 
 def results_summary(config_path: str) -> str:
-    """Where the results are, for the end of `eagle3d run --until`."""
+    """Where the results are, for the end of `eagle3d run --until`: the current run's (after a
+    switch, under `runs/<run>/`), never the configured roots' first run."""
     try:
-        cfg = load_config(config_path)
+        cfg = load_in_force(config_path)
     except ConfigError as exc:
         return str(exc)
     lines = [f"state:    {cfg.paths.state_dir}  (eagle3ctl -c {config_path} status)",
@@ -518,7 +519,7 @@ def _forget_args(s: argparse.ArgumentParser) -> None:
 
 
 def _eval_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--drafter", help="export folder (default <train_dir>/export)")
+    s.add_argument("--drafter", help="export folder (default: the current run's export)")
     where = s.add_mutually_exclusive_group()
     where.add_argument("--source", help="conversations (default [eval] source)")
     where.add_argument("--prompts", help="a file of prompts: MT-bench questions, OpenAI-style "

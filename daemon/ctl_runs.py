@@ -15,8 +15,9 @@ from eagle3d.statemachine.ledger import Ledger, LedgerError
 from eagle3d.statemachine.statefile import read_state
 
 
-def describe(run: runs.Run, current: bool) -> dict[str, Any]:
+def describe(reg: runs.Registry, run: runs.Run) -> dict[str, Any]:
     """One run as `eagle3ctl runs` shows it."""
+    current = run.id == reg.current
     state, _ = read_state(run.state_dir)
     out: dict[str, Any] = {
         "id": run.id, "current": current, "target": run.model, "fingerprint": run.key[-8:],
@@ -28,7 +29,7 @@ def describe(run: runs.Run, current: bool) -> dict[str, Any]:
     if run.forgotten:
         out["stage"] = "forgotten"
         return out
-    out["bytes"] = runs.size(run)
+    out["bytes"] = runs.size(reg, run)
     try:
         with Ledger(layout.ledger(run.state_dir), readonly=True, timeout=2.0) as ledger:
             counts = ledger.counts()
@@ -63,7 +64,7 @@ def _row(r: dict[str, Any]) -> str:
 
 def cmd_runs(cfg: Config, args: argparse.Namespace) -> int:
     reg = runs.read(cfg.paths.state_dir)
-    rows = [describe(r, r.id == reg.current) for r in reg.runs.values()]
+    rows = [describe(reg, r) for r in reg.runs.values()]
     if args.json:
         import json
         print(json.dumps({"current": reg.current, "runs": rows}, indent=2))
@@ -75,14 +76,13 @@ def cmd_runs(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def cmd_forget(cfg: Config, args: argparse.Namespace) -> int:
-    root = cfg.paths.state_dir
     try:
-        run, freed = runs.forget(root, args.run, args.reason)
+        run, freed = runs.forget(cfg, args.run, args.reason)
     except (ValueError, ConfigError, OSError) as exc:  # OSError: not the daemon's user, say
         print(f"eagle3ctl: {exc}", file=sys.stderr)
         return 1
     message = f"{run.id} forgotten, {human_bytes(freed)} freed: {args.reason}"
-    reg = runs.read(root)
+    reg = runs.read(cfg.paths.state_dir)
     current = reg.runs.get(reg.current or "")
     if current is not None and layout.ledger(current.state_dir).exists():
         with Ledger(layout.ledger(current.state_dir)) as ledger:

@@ -176,7 +176,7 @@ def remove_dataset_debris(dataset_dir: Path, ledger: Ledger) -> list[str]:
     removed = []
     if not dataset_dir.exists():
         return removed
-    for shard in dataset_dir.glob(layout.SAMPLE_FOLDERS):
+    for shard in layout.sample_folders(dataset_dir):
         for entry in os.scandir(shard):
             name = entry.name
             if name.startswith("."):

@@ -196,6 +196,7 @@ class Daemon:
             log.warning("ended children of a previous daemon: %s", ", ".join(ended))
             self.ledger.event("orphans_ended", ", ".join(ended))
         self.recover_run("daemon (re)started")
+        requests.adopt_ledger_pause(self.ledger, self.root_cfg.paths.state_dir)
         self.ledger.event("daemon_started", f"pid {os.getpid()}")
 
     def recover_run(self, why: str) -> None:
@@ -246,7 +247,8 @@ class Daemon:
                 return
             self.finish_switch()
         control.apply_all(self.cfg.paths.state_dir,
-                          lambda request: requests.handle(request, self.ledger, self.unblock))
+                          lambda request: requests.handle(request, self.ledger, self.unblock,
+                                                          self.root_cfg.paths.state_dir))
         decision = stages.derive(self.observe())
         if self.decision is None or decision.stage != self.decision.stage:
             self.stage_since = time.time()
@@ -274,7 +276,8 @@ class Daemon:
             facts.update(part)
         if facts.get("budget_pause") and self.set_aside:
             facts["budget_pause"] += budgets.reclaimable(self.set_aside)
-        return Facts(counts=counts, operator_pause=self.ledger.meta("pause"),
+        return Facts(counts=counts, operator_pause=requests.operator_pause(
+                         self.root_cfg.paths.state_dir),
                      blocked=next((b for b in blocked if b), None), **facts)
 
     def unblock(self, all_failed: bool) -> None:

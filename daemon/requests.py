@@ -6,10 +6,13 @@ raises ValueError with what was wrong with the request.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from eagle3d.daemon import control
 from eagle3d.daemon.verify_stage import forget_failed_spot_check
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.ledger import Ledger
 
 
@@ -27,17 +30,43 @@ def _known(ledger: Ledger, ids: list[str]) -> list[str]:
     return ids
 
 
-def handle(request: control.Request, ledger: Ledger, unblock: Callable[[bool], None]) -> str:
+def operator_pause(state_root: Path) -> str | None:
+    """The operator's pause, its reason and since when, or None. It pauses the daemon, not a
+    run: kept in the state root (layout.operator_pause), it holds across run switches."""
+    try:
+        return layout.operator_pause(state_root).read_text().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+def _pause(state_root: Path, why: str) -> None:
+    atomic_write_bytes(layout.operator_pause(state_root), f"{why}\n".encode())
+
+
+def adopt_ledger_pause(ledger: Ledger, state_root: Path) -> None:
+    """A pause of a daemon from before pauses outlived runs sits in its run's ledger: moved to
+    the state root at start, so that an upgrade does not resume a paused daemon."""
+    earlier = ledger.meta("pause")
+    if earlier:
+        if operator_pause(state_root) is None:
+            _pause(state_root, earlier)
+        ledger.clear_meta("pause")
+
+
+def handle(request: control.Request, ledger: Ledger, unblock: Callable[[bool], None],
+           state_root: Path) -> str:
     """Apply one request. `unblock(all_failed)` clears what a retry should clear in the stages
-    (a trainer's failure only when every failed sample is retried)."""
+    (a trainer's failure only when every failed sample is retried); `state_root`: the configured
+    state folder, where a pause lives whatever run is current."""
     args = request.args
     if request.verb == "pause":
         reason = str(args.get("reason") or "no reason given")
-        ledger.set_meta("pause", f"{reason} (since {time.strftime('%Y-%m-%d %H:%M:%S')})")
+        _pause(state_root, f"{reason} (since {time.strftime('%Y-%m-%d %H:%M:%S')})")
         ledger.event("paused", reason)
-        return "paused: no new work is dispatched; in-flight work finishes"
+        return ("paused: no new work is dispatched; in-flight work finishes; the pause holds "
+                "across run switches until eagle3ctl resume")
     if request.verb == "resume":
-        ledger.clear_meta("pause")
+        layout.operator_pause(state_root).unlink(missing_ok=True)
         ledger.event("resumed")
         return "resumed"
     if request.verb == "retry":

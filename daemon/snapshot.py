@@ -6,7 +6,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
-from eagle3d.daemon import budgets
+from eagle3d.daemon import budgets, requests
 from eagle3d.statemachine import plan_meta, stages
 from eagle3d.statemachine.ledger import STATUSES
 
@@ -49,7 +49,8 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
                  for x in budgets.disks(daemon.cfg)],
         **dict(statuses.values()),
         # A budget's pause waits for a person (space, or a [budget] key); an operator's does not.
-        "paused_by": (("operator" if daemon.ledger.meta("pause") else "budget")
+        "paused_by": (("operator" if requests.operator_pause(daemon.root_cfg.paths.state_dir)
+                       else "budget")
                       if decision and decision.stage == stages.Stage.PAUSED else None),
         "gate": {"open": gate.open, "describe": gate.describe(),
                  "waits_for_operator": gate.waits_for_operator},

@@ -41,7 +41,8 @@ def gpu_tokens_per_s(hidden_size: int) -> float:
 
 
 def dumps(dataset_dir: Path) -> Iterator[Path]:
-    return Path(dataset_dir).glob(f"{layout.SAMPLE_FOLDERS}/*{SUFFIX}")
+    return (dump for folder in layout.sample_folders(dataset_dir)
+            for dump in folder.glob(f"*{SUFFIX}"))
 
 
 def probe(files: Iterator[Path], max_bytes: int = PROBE_BYTES,

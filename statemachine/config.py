@@ -467,6 +467,21 @@ def _shard(chk: _Checker, data: DataConfig, paths: PathsConfig,
                                    for k in shards.SHARDED_PATHS})
 
 
+def _check_paths_apart(chk: _Checker, paths: PathsConfig) -> None:
+    """No [paths] folder is another or inside another: each run's data is told apart by its
+    folders, and `eagle3ctl forget` deletes a set-aside run's by them (statemachine/runs.py)."""
+    real = [(k, Path(os.path.realpath(v))) for k, v in paths._asdict().items()]
+    for i, (key, folder) in enumerate(real):
+        for j, (other, other_folder) in enumerate(real):
+            # An equal pair is named once, by its later key.
+            if (folder == other_folder and j < i) or other_folder in folder.parents:
+                where = "the same folder as" if folder == other_folder else "inside"
+                raise chk.fail(f"paths.{key}", f"is {where} [paths] {other} "
+                               f"({getattr(paths, key)}, {getattr(paths, other)}): give each of "
+                               "state_dir, spool_dir, dataset_dir and train_dir a folder of its "
+                               "own, none inside another")
+
+
 def _check_answers(chk: _Checker, data: DataConfig, generate: GenerateConfig) -> None:
     """Several answers per conversation are the target's own, sampled: greedy decoding would
     write the same answer each time."""
@@ -545,6 +560,7 @@ def parse_config(raw: dict, path: Path) -> Config:
         k: (lambda v, k=k: _dir(chk, f"paths.{k}", v, base))
         for k in ("state_dir", "spool_dir", "dataset_dir", "train_dir")})
 
+    _check_paths_apart(chk, paths)
     data, paths = _shard(chk, data, paths, "shard" in chk.section(raw, "data", True))
 
     budget = chk.build(BudgetConfig, "budget", chk.section(raw, "budget"),

@@ -8,6 +8,8 @@ files asks here for its path; the formats are owned by the modules named beside 
 from __future__ import annotations
 
 import os
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 # ---- the state folder ---------------------------------------------------------------------------
@@ -75,14 +77,21 @@ def contract_file(dataset_dir: Path) -> Path:
 
 
 # Dumps sit in folders of SAMPLES_PER_FOLDER by ledger index, `shard-00042/`: a name older than
-# the shard folders of several nodes (`shard-1-of-3/`), so a glob for them names the five digits.
+# the shard folders of several nodes (`shard-1-of-3/`). Five digits at least, more from index
+# 100,000,000 on (reached with [generate] answers = K), so a folder is told by its digits alone.
 SAMPLES_PER_FOLDER = 1000
-SAMPLE_FOLDERS = "shard-" + "[0-9]" * 5
+_SAMPLE_FOLDER = re.compile(r"shard-[0-9]{5,}")
 
 
 def sample_folder(idx: int) -> str:
     """The dataset folder, relative to the dataset's, of the sample with this ledger index."""
     return f"shard-{idx // SAMPLES_PER_FOLDER:05d}"
+
+
+def sample_folders(dataset_dir: Path) -> Iterator[Path]:
+    """Every sample folder in a dataset folder, of any width; never a node's shard folder."""
+    return (p for p in Path(dataset_dir).glob("shard-[0-9]*")
+            if _SAMPLE_FOLDER.fullmatch(p.name) and p.is_dir())
 
 
 def manifest_file(dataset_dir: Path) -> Path:
@@ -177,6 +186,12 @@ def runs_lock(state_root: Path) -> Path:
     return Path(state_root) / "runs.lock"
 
 
+def operator_pause(state_root: Path) -> Path:
+    """`eagle3ctl pause`'s reason while the operator holds the daemon paused: beside the
+    registry, so that it pauses whatever run is current, across switches (daemon/requests.py)."""
+    return Path(state_root) / "pause.txt"
+
+
 def run_folder(root: Path, run_id: str) -> Path:
     """A further run's folder under one configured root."""
     return Path(root) / "runs" / run_id
@@ -184,5 +199,6 @@ def run_folder(root: Path, run_id: str) -> Path:
 
 # The names in a configured root that are not the in-place run's own: forgetting that run
 # keeps them. Taken from the functions that name them, so a rename cannot slip past `forget`.
-ROOT_SHARED = tuple(f(Path()).name for f in (runs_registry, runs_lock, children_dir)) + (
+ROOT_SHARED = tuple(f(Path()).name for f in (runs_registry, runs_lock, operator_pause,
+                                              children_dir)) + (
     run_folder(Path(), "-").parent.name,)

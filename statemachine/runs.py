@@ -185,14 +185,42 @@ def find(cfg: Config, weights: str) -> Run | None:
 
 # ---- sizes and forgetting -----------------------------------------------------------------------
 
-def _entries(run: Run, folder: Path) -> list[Path]:
-    """What a run owns in one of its folders: all of it, or for the run in place everything in
-    the configured root but the other runs and the install's own files."""
-    if not folder.is_dir():
-        return []
-    if not run.in_place:
-        return [folder]
-    return [p for p in folder.iterdir() if p.name not in layout.ROOT_SHARED]
+def _real(path: Path) -> Path:
+    return Path(os.path.realpath(path))
+
+
+def _kept(reg: Registry, run: Run, roots: tuple[Path, ...]) -> set[Path]:
+    """What a run's data must neither be nor hold, symlinks followed: the configured roots
+    (`roots`, and the run in place's folders, which are the roots) and every other run's
+    folders."""
+    kept = set(roots)
+    for other in reg.runs.values():
+        if other.id != run.id or other.in_place:
+            kept.update(getattr(other, k) for k in FOLDERS)
+    return {_real(k) for k in kept}
+
+
+def _holds(path: Path, kept: set[Path]) -> bool:
+    """`path` is one of `kept` or holds one."""
+    real = _real(path)
+    return any(k == real or real in k.parents for k in kept)
+
+
+def owned(reg: Registry, run: Run, folders: tuple[str, ...] = FOLDERS,
+          roots: tuple[Path, ...] = ()) -> list[Path]:
+    """What a run owns in its folders: each of them whole, or for the run in place everything
+    in the configured roots but the install's own files. Never a path that is or holds a root
+    or another run's folder, wherever [paths] nest (config.py refuses nesting; a registry
+    written before that, or a root moved since, may still hold it)."""
+    kept = _kept(reg, run, roots)
+    found = []
+    for folder in (getattr(run, k) for k in folders):
+        if not folder.is_dir():
+            continue
+        entries = ([p for p in folder.iterdir() if p.name not in layout.ROOT_SHARED]
+                   if run.in_place else [folder])
+        found += [p for p in entries if not _holds(p, kept)]
+    return found
 
 
 def _size(path: Path) -> int:
@@ -204,16 +232,16 @@ def _size(path: Path) -> int:
     return sum(_size(Path(e.path)) for e in os.scandir(path))
 
 
-def size(run: Run, folders: tuple[str, ...] = FOLDERS) -> int:
+def size(reg: Registry, run: Run, folders: tuple[str, ...] = FOLDERS) -> int:
     """Bytes a run holds on disk in its folders."""
-    return sum(_size(p) for k in folders for p in _entries(run, getattr(run, k)))
+    return sum(_size(p) for p in owned(reg, run, folders))
 
 
 def set_aside(state_root: Path) -> list[tuple[Run, int]]:
     """The runs not current and not forgotten, with their bytes on the dataset disk: what
     `eagle3ctl forget` can reclaim."""
     reg = read(state_root)
-    return [(r, size(r, ("dataset_dir",))) for r in reg.runs.values()
+    return [(r, size(reg, r, ("dataset_dir",))) for r in reg.runs.values()
             if r.id != reg.current and not r.forgotten]
 
 
@@ -229,11 +257,14 @@ def resolve(registry: Registry, name: str) -> Run:
     return found[0]
 
 
-def forget(state_root: Path, name: str, reason: str) -> tuple[Run, int]:
+def forget(cfg: Config, name: str, reason: str) -> tuple[Run, int]:
     """Delete a set-aside run's data and mark it forgotten; returns it and the bytes freed.
-    ValueError for the current run, an unknown one or one forgotten already."""
+    Nothing that is or holds one of `cfg`'s [paths] (the spool included) or another run's
+    folder is deleted. ValueError for the current run, an unknown one or one forgotten
+    already."""
     if not reason.strip():
         raise ValueError("forgetting a run needs --reason")
+    state_root = cfg.paths.state_dir
     with locked(state_root):
         reg = read(state_root)
         run = resolve(reg, name)
@@ -243,13 +274,13 @@ def forget(state_root: Path, name: str, reason: str) -> tuple[Run, int]:
         if run.forgotten:
             raise ValueError(f"{run.id} was forgotten already: {run.forgotten}")
         import shutil
-        freed = size(run)
-        for folder in FOLDERS:
-            for path in _entries(run, getattr(run, folder)):
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink(missing_ok=True)
+        doomed = owned(reg, run, roots=tuple(cfg.paths))
+        freed = sum(_size(p) for p in doomed)
+        for path in doomed:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
         gone = run._replace(forgotten=f"{reason.strip()} ({time.strftime('%Y-%m-%d %H:%M:%S')})")
         write(state_root, Registry(reg.current, {**reg.runs, run.id: gone}))
     return gone, freed

@@ -36,6 +36,12 @@ BAD = [
     ("inflight below max_tokens", {"extract": {"max_inflight_tokens": 100}},
      "[extract.max_inflight_tokens] must be at least [data] max_tokens"),
     ("path under a file", {"paths": {"state_dir": "/etc/hostname/state"}}, "[paths.state_dir]"),
+    ("dataset inside the state folder", {"paths": {"dataset_dir": "state/dataset"}},
+     "[paths.dataset_dir] is inside [paths] state_dir ("),
+    ("state folder inside the train folder", {"paths": {"state_dir": "train/state"}},
+     "[paths.state_dir] is inside [paths] train_dir ("),
+    ("spool on the train folder", {"paths": {"spool_dir": "train"}},
+     "[paths.train_dir] is the same folder as [paths] spool_dir ("),
     ("nodes without a rendezvous", {"train": {"nnodes": 2}},
      "[train.rendezvous] is required with [train] nnodes = 2"),
     ("node rank out of range", {"train": {"nnodes": 2, "node_rank": 2,
@@ -107,14 +113,18 @@ def test_sizes():
     assert parse_size(4096) == 4096
 
 
+@pytest.mark.parametrize("change,message", [
+    ({"extract": {"batch_tokenz": 5}}, "[extract.batch_tokenz] unknown key"),
+    ({"paths": {"train_dir": "dataset/train"}}, "[paths.train_dir] is inside [paths] dataset_dir"),
+], ids=["unknown key", "nested paths"])
 @pytest.mark.parametrize("tool", ["eagle3ctl", "eagle3d"])
-def test_commands_refuse_a_bad_config_with_exit_2(tmp_path, tool):
-    path = make_config(tmp_path, {"extract": {"batch_tokenz": 5}})
+def test_commands_refuse_a_bad_config_with_exit_2(tmp_path, tool, change, message):
+    path = make_config(tmp_path, change)
     argv = [venv_bin(tool), "-c", str(path), "check-config"] if tool == "eagle3ctl" else \
         [venv_bin(tool), "run", "-c", str(path), "--until", "plan"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
-    assert "[extract.batch_tokenz] unknown key" in proc.stderr
+    assert message in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

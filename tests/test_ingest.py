@@ -17,6 +17,7 @@ from eagle3d.dataset import dumpformat, precision
 from eagle3d.daemon import checksum
 from eagle3d.daemon.ingest import Ingestor, remove_dataset_debris
 from eagle3d.daemon.spool import Spool
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 
 H = 16
@@ -232,10 +233,11 @@ def test_duplicate_for_an_extracted_sample_is_rejected(env):
     assert ledger.sample(s.id).status == "extracted"
 
 
-def test_debris_of_an_interrupted_ingest_is_removed(env):
+@pytest.mark.parametrize("index", [0, 100_000_000], ids=["five digits", "past five digits"])
+def test_debris_of_an_interrupted_ingest_is_removed(env, index):
     ing, ledger, spool, samples = env
     s = samples[5]
-    shard = ing.dataset_dir / "shard-00000"
+    shard = ing.dataset_dir / layout.sample_folder(index)
     shard.mkdir(parents=True)
     (shard / f".{s.id}.safetensors.tmp").write_bytes(b"partial")
     (shard / f"{s.id}.safetensors").write_bytes(b"renamed but never committed")

@@ -39,11 +39,12 @@ def test_eight_gpus_on_the_kimi_shape_need_about_3_gb_per_second_of_fp8_dumps():
     assert readrate.shortfall(KIMI_FP8, 1, 1e9) is None
 
 
-def dataset(root, dumps: int = 3) -> None:
-    """A dataset folder with the contract and a few dump files of the Kimi shape's width."""
+def dataset(root, dumps: int = 3, index: int = 0) -> None:
+    """A dataset folder with the contract and a few dump files of the Kimi shape's width, in the
+    sample folder of ledger index `index`."""
     root.mkdir(parents=True)
     contract_mod.write(root, {**KIMI_FP8, "layer_ids": [2, 30, 57]})
-    shard = root / "shard-00000"
+    shard = root / layout.sample_folder(index)
     shard.mkdir()
     tokens = 64
     for n in range(dumps):
@@ -54,11 +55,12 @@ def dataset(root, dumps: int = 3) -> None:
             "last_hidden_state": ("BF16", (tokens, 7168), bytes(2 * 7168 * tokens))})
 
 
-def test_check_config_warns_that_a_thousand_gpus_would_wait_for_the_disk(config_factory):
+@pytest.mark.parametrize("index", [0, 100_000_000], ids=["five digits", "past five digits"])
+def test_check_config_warns_that_a_thousand_gpus_would_wait_for_the_disk(config_factory, index):
     config = config_factory({"train": {"nproc": 1000}})
     before = ctl(config, "check-config")
     assert before.returncode == 0 and "warning" not in before.stdout  # no dataset yet
-    dataset(load_config(config).paths.dataset_dir)
+    dataset(load_config(config).paths.dataset_dir, index=index)
     after = ctl(config, "check-config")  # the dataset's contract is another target's: refused
     assert ": valid (" in after.stdout, after.stderr
     assert "warning: the dataset's disk reads" in after.stdout

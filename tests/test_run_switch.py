@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3d.dataset import contract, dumpformat
+from eagle3d.dataset import contract, dumpformat, readrate
 from eagle3d.statemachine import layout, runs
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
@@ -32,7 +32,7 @@ def check_run(run: runs.Run) -> None:
     """Every sample of the run extracted once, its dataset holding its own contract's dumps
     only, one per sample."""
     doc = contract.read_checked(run.dataset_dir)
-    dumps = sorted(run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"))
+    dumps = sorted(readrate.dumps(run.dataset_dir))
     headers = [dumpformat.read_header(p) for p in dumps]
     assert {h.contract for h in headers} == {doc["fingerprint"]}
     with Ledger(layout.ledger(run.state_dir), readonly=True) as ledger:

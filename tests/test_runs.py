@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from eagle3d.daemon import run_select
+from eagle3d.daemon import control, run_select
+from eagle3d.daemon.ctl import results_summary
 from eagle3d.daemon.reconcile import Daemon, prepare_dirs
-from eagle3d.statemachine import layout, runs
+from eagle3d.statemachine import layout, runs, train_files
 from eagle3d.statemachine.config import load_config, load_in_force, write_in_force
 from eagle3d.statemachine.ledger import Ledger
 from tests.pipeline import ctl, edit_config, status, switch, wait_for
@@ -95,8 +96,85 @@ def test_forget_refuses_the_current_run_and_a_forgotten_run_is_never_resumed(con
     text = ctl(path, "runs").stdout
     assert "forgotten: old target" in text and f"* {again.run.id}" in text
     with pytest.raises(ValueError, match="forgotten already"):
-        runs.forget(a.paths.state_dir, first.id, "twice")
+        runs.forget(a, first.id, "twice")
     assert time.time() - again.run.created < 60
+
+
+def _files(folder) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_forget_never_deletes_a_root_or_another_runs_folder_inside_the_run_in_place(
+        config_factory, tmp_path):
+    """[paths] that nest are refused, but a root moved since a run was made can sit inside that
+    run's folders: here dataset_dir and the spool moved into the first run's dataset folder. Its
+    forget deletes its own files and leaves the current run's, and the spool's, byte for byte."""
+    path = config_factory()
+    a = load_config(path)
+    first = run_select.select(a).run
+    prepare_dirs(a)
+    (a.paths.dataset_dir / "shard-00000").mkdir()
+    (a.paths.dataset_dir / "shard-00000" / "x.safetensors").write_bytes(b"a" * 4096)
+    moved = {"dataset_dir": str(a.paths.dataset_dir / "moved"),
+             "spool_dir": str(a.paths.dataset_dir / "spool")}  # a restart with [paths] edited
+    config_factory({"target": {"dtype": "bfloat16"}, "paths": moved})
+    b = load_config(path)
+    second = run_select.select(b).run
+    b_cfg = runs.run_config(b, second)
+    prepare_dirs(b_cfg)
+    for folder in (b_cfg.paths.dataset_dir, b_cfg.paths.spool_dir, b_cfg.paths.train_dir):
+        (folder / "shard-00000").mkdir()
+        (folder / "shard-00000" / "y.safetensors").write_bytes(b"b" * 8192)
+    (b_cfg.paths.dataset_dir / "manifest.json").write_text('{"samples": []}')
+    kept = {folder: _files(folder) for folder in (b_cfg.paths.dataset_dir,
+                                                  b_cfg.paths.spool_dir, b_cfg.paths.train_dir)}
+    forgot = ctl(path, "forget", first.id, "--reason", "old target")
+    assert forgot.returncode == 0, forgot.stderr
+    assert "forgotten, 4.0 KiB freed" in forgot.stdout  # the first run's file, nothing else
+    assert not (a.paths.dataset_dir / "shard-00000").exists()
+    assert {folder: _files(folder) for folder in kept} == kept
+
+
+def test_a_reload_refuses_nested_paths_naming_the_key(config_factory):
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    try:
+        edit_config(path, "paths", spool_dir=str(daemon.root_cfg.paths.state_dir / "spool"))
+        daemon.reload()
+        assert "[paths.spool_dir] is inside [paths] state_dir" in daemon.config_problem
+    finally:
+        daemon.ledger.close()
+
+
+def _trained(cfg, acceptance: float) -> None:
+    """A run's folders as the daemon leaves them after its drafter is exported and evaluated."""
+    prepare_dirs(cfg)
+    write_in_force(cfg)
+    layout.export_dir(cfg.paths.train_dir).mkdir()
+    (layout.export_dir(cfg.paths.train_dir) / "config.json").write_text("{}")
+    train_files.write_eval(layout.eval_file(cfg.paths.train_dir), {
+        "acceptance_length": acceptance, "acceptance_length_ci95": [acceptance - 0.1,
+                                                                    acceptance + 0.1],
+        "prompts": 4})
+
+
+def test_run_until_done_names_the_current_runs_drafter_after_a_switch(config_factory):
+    """What `eagle3d run --until done` prints at its end: the drafter of the run it ended in,
+    with its acceptance length; never the first run's in the configured train folder, which a
+    script copying the path to serving would ship for the other target."""
+    path = config_factory()
+    a = load_config(path)
+    run_select.select(a)
+    _trained(a, 1.5)
+    config_factory({"target": {"dtype": "bfloat16"}})
+    b = load_config(path)
+    b_cfg = runs.run_config(b, run_select.select(b).run)
+    _trained(b_cfg, 2.5)
+    summary = results_summary(str(path))
+    assert f"drafter:  {layout.export_dir(b_cfg.paths.train_dir)}  (SGLang" in summary, summary
+    assert "acceptance length: 2.500" in summary
+    assert str(layout.export_dir(a.paths.train_dir)) not in summary
+    assert str(layout.eval_file(b_cfg.paths.train_dir)) in summary
 
 
 def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_factory):
@@ -168,4 +246,45 @@ def test_status_names_the_new_run_from_the_moment_a_reload_enters_it(config_fact
         assert daemon.current.id != first.id
         assert st["run"]["id"] == daemon.current.id and st["daemon"]["alive"], st
     finally:
+        daemon.ledger.close()
+
+
+def test_an_operators_pause_holds_across_a_run_switch(config_factory):
+    """`eagle3ctl pause` pauses the daemon, not a run: a reload that switches targets lands in
+    the new run paused, with the operator's reason, until `eagle3ctl resume`."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    try:
+        control.submit(daemon.cfg.paths.state_dir, "pause", {"reason": "disk maintenance"})
+        daemon.tick()
+        first = daemon.current
+        edit_config(path, "target", dtype="bfloat16")
+        daemon.reload()
+        daemon.tick()
+        st = status(path)
+        assert daemon.current.id != first.id and st["run"]["id"] == daemon.current.id
+        assert st["stage"] == "paused" and st["paused_by"] == "operator", st
+        assert "paused by the operator: disk maintenance" in st["reason"]
+        control.submit(daemon.cfg.paths.state_dir, "resume", {})
+        daemon.tick()
+        assert status(path)["stage"] == "plan"
+    finally:
+        daemon.stop_stages(time.monotonic() + 30, "test over")
+        daemon.ledger.close()
+
+
+def test_a_pause_kept_in_the_ledger_before_an_upgrade_still_holds(config_factory):
+    """A daemon paused before pauses outlived runs kept the pause in its run's ledger: the
+    upgraded daemon starts paused, the pause moved to where every run reads it."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    try:
+        daemon.ledger.set_meta("pause", "model swap (since 2026-12-01 10:00:00)")
+        daemon.recover()
+        daemon.tick()
+        assert status(path)["reason"] == ("paused by the operator: model swap "
+                                          "(since 2026-12-01 10:00:00)")
+        assert daemon.ledger.meta("pause") is None
+    finally:
+        daemon.stop_stages(time.monotonic() + 30, "test over")
         daemon.ledger.close()

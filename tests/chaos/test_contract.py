@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.dataset import contract as capture_contract, dumpformat
-from eagle3d.statemachine import layout, runs
+from eagle3d.dataset import contract as capture_contract, dumpformat, readrate
+from eagle3d.statemachine import runs
 from eagle3d.statemachine.config import load_config
 from tests.chaos.figures import SCALE
 from tests.chaos.harness import (audit, chaos_config, counts, describe, end, kill9,
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 def own_dumps_only(run: runs.Run) -> int:
     """The run's dataset files, each of its own contract; returns how many."""
     fingerprint = capture_contract.read_checked(run.dataset_dir)["fingerprint"]
-    dumps = list(run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"))
+    dumps = list(readrate.dumps(run.dataset_dir))
     strangers = [p.name for p in dumps if dumpformat.read_header(p).contract != fingerprint]
     assert not strangers, f"{run.id} holds another contract's dumps: {strangers[:5]}"
     return len(dumps)
