@@ -72,7 +72,7 @@ def _plan(tmp_path: Path, tokenizer, source: Path, name: str, limit: int, **data
                                                   "limit": limit, **data}}))
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         planner.plan(cfg, ledger, tokenizer, 576)
-        samples = {s.id: (s.idx, s.tokens, s.loss_tokens) for s in ledger.iter_samples("pending")}
+        samples = {s.id: (s.idx, s.tokens, s.loss_tokens) for s in ledger.iter_samples()}
         skipped = dict(ledger.db.execute("SELECT idx, reason FROM skipped").fetchall())
     return {"samples": samples, "skipped": skipped}
 
@@ -104,6 +104,26 @@ def test_shard_plans_are_disjoint_and_cover_one_daemons_plan(tmp_path, tokenizer
     assert fewer["samples"].items() <= more["samples"].items()
 
 
+def test_one_prompt_with_different_answers_is_one_sample_of_one_shard(tmp_path, tokenizer):
+    """Where the target writes the answers, a sample's id is its prompt's: two records of one
+    prompt and different answers are one sample, planned once by the one shard that owns that
+    id, as one daemon plans it once."""
+    source = write_conversations(tmp_path / "conv.jsonl", 24, words=6)
+    records = [json.loads(line) for line in source.read_text().splitlines()]
+    with open(source, "a") as f:  # each prompt again, with another answer
+        for r in records:
+            f.write(json.dumps({"messages": [r["messages"][0], {
+                "role": "assistant", "content": "Another answer entirely."}]}) + "\n")
+    one = _plan(tmp_path, tokenizer, source, "one", 48, responses="target")
+    assert len(one["samples"]) == 24
+    parts = [_plan(tmp_path, tokenizer, source, f"shard{i}", 48, responses="target",
+                   shards=3, shard=i) for i in range(3)]
+    ids = [set(p["samples"]) for p in parts]
+    assert sum(map(len, ids)) == len(set().union(*ids)) == 24, "one prompt planned twice"
+    assert {k: v for p in parts for k, v in p["samples"].items()} == one["samples"]
+    assert {k: v for p in parts for k, v in p["skipped"].items()} == one["skipped"]
+
+
 # ---- the join ---------------------------------------------------------------------------------
 
 CONTRACT = {"format": 1, "target": "m", "target_fingerprint": "f", "layer_ids": [2, 15, 27],
@@ -111,12 +131,14 @@ CONTRACT = {"format": 1, "target": "m", "target_fingerprint": "f", "layer_ids": 
 
 
 def publish(root: Path, index: int, count: int, stage: str = "done", n: int = 3,
-            **contract) -> list[str]:
-    """What a shard's daemon leaves in its folder: a manifest of n samples, its state file."""
+            also: tuple[str, ...] = (), **contract) -> list[str]:
+    """What a shard's daemon leaves in its folder: a manifest of n samples (and of the ids
+    `also`), its state file."""
     folder = root / shards.folder_name(index, count)
     folder.mkdir(parents=True, exist_ok=True)
-    samples = [{"id": f"{index:02d}{k:030d}", "path": f"000/{index}-{k}.safetensors",
-                "tokens": 10, "loss_tokens": 5, "checksum": f"c{index}{k}"} for k in range(n)]
+    ids = [f"{index:02d}{k:030d}" for k in range(n)] + list(also)
+    samples = [{"id": sid, "path": f"000/{index}-{k}.safetensors", "tokens": 10,
+                "loss_tokens": 5, "checksum": f"c{index}{k}"} for k, sid in enumerate(ids)]
     doc = {"fingerprint": manifest.fingerprint((s["id"], s["checksum"]) for s in samples),
            "contract": {**CONTRACT, "shard": {"index": index, "count": count}, **contract},
            "samples": samples}
@@ -154,6 +176,22 @@ def test_a_shard_of_another_model_is_refused_by_name(tmp_path):
     assert joined.manifest is None and len(joined.refused) == 1
     assert joined.refused[0].startswith("shard-1-of-2: captured under another contract")
     assert "target: 'm' -> 'other-model'" in joined.refused[0]
+
+
+def test_two_shards_listing_one_sample_are_refused_by_name_and_nothing_trains(tmp_path):
+    from eagle3d.dataset.shards import trained_union
+    from eagle3d.statemachine.entry import Refusal
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
+    root = tmp_path / "dataset"
+    publish(root, 0, 3)
+    one = publish(root, 1, 3)
+    publish(root, 2, 3, also=(one[1],))
+    joined = ShardSet(root, 3, CONTRACT).join(own="shard-0-of-3")
+    assert joined.manifest is None and not joined.waiting
+    assert joined.refused == [f"shard-1-of-3 and shard-2-of-3 both list 1 sample ({one[1]}), "
+                              "which training would read twice: redo one of the two shards"]
+    with pytest.raises(Refusal, match=f"shard-1-of-3 and shard-2-of-3 both list 1 sample"):
+        trained_union(cfg, {"contract": CONTRACT})
 
 
 def test_status_on_the_training_node_shows_every_shard_from_what_it_published(tmp_path):
