@@ -178,8 +178,10 @@ class Daemon:
         n = self.ledger.requeue_inflight(why)
         if n:
             log.info("returned %d in-flight samples to pending", n)
-        for name in remove_dead_temps(self.cfg.paths.state_dir) + remove_dead_temps(
-                self.cfg.paths.train_dir) + remove_dead_temps(self.cfg.paths.dataset_dir):
+        # The train folder is the training node's alone: the other shards share it, not its work.
+        folders = (self.cfg.paths.state_dir, self.cfg.paths.dataset_dir,
+                   *((self.cfg.paths.train_dir,) if self.cfg.shard.trains else ()))
+        for name in (name for folder in folders for name in remove_dead_temps(folder)):
             log.info("removed %s: its writer is gone", name)
         removed = remove_dataset_debris(self.cfg.paths.dataset_dir, self.ledger)
         if removed:

@@ -267,6 +267,37 @@ def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_ti
     assert {s["checksum"] for s in gate.last.manifest["samples"]} >= {"cX0"}
 
 
+def test_only_the_training_node_clears_the_train_folder_and_only_this_hosts_temps(tmp_path):
+    """The train folder is shared by every shard, and by hosts: a shard's start leaves it alone,
+    and the training node's removes a dead writer's temp file only where that writer ran on this
+    host (another host's pid means nothing here, and its writer may be at work)."""
+    import subprocess
+
+    from eagle3d.daemon.reconcile import Daemon
+    from eagle3d.statemachine.atomic import HOST
+    source = write_conversations(tmp_path / "conv.jsonl", 4)
+    configs = [make_config(tmp_path, {"data": {"source": str(source), "format": "messages",
+                                               "limit": 4, "shards": 2, "shard": i}},
+                           name=f"shard{i}.toml") for i in range(2)]
+    gone = subprocess.Popen(["true"])  # a writer that has exited, as a pid on each host
+    gone.wait()
+    train = tmp_path / "train"
+    train.mkdir(mode=0o750)
+    here, there = (train / f".progress.json.{host}.{gone.pid}.tmp" for host in (HOST, "node-b"))
+    for temp in (here, there):
+        temp.write_text("half")
+
+    def start(config: Path) -> None:
+        daemon = Daemon(load_config(config))
+        daemon.recover()
+        daemon.shutdown()
+        daemon.ledger.close()
+    start(configs[1])
+    assert here.exists() and there.exists(), "a shard's start touched the train folder"
+    start(configs[0])
+    assert not here.exists() and there.exists()
+
+
 def test_a_sharded_node_refuses_a_run_its_folders_cannot_hold(tmp_path):
     """A shard's folders hold one run: a config of another contract is refused with the way out,
     never laid out where the gate and status would not find it."""
