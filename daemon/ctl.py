@@ -88,7 +88,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
             samples["total"] = counts.total
             samples["skipped"] = ledger.skipped_count()
             tokens = {"done": counts.done_tokens, "total": counts.wanted_tokens}
-            g = gate(counts)
+            g = gate(counts, cfg.shard.count > 1)
             out["gate"] = {"open": g.open, "describe": g.describe(),
                            "waits_for_operator": g.waits_for_operator}
             for s in ledger.samples("failed", limit=5):

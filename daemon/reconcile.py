@@ -231,7 +231,9 @@ class Daemon:
         counts = self.ledger.counts()
         # The verified set's fingerprint costs a pass over it: only worth it once the gate is
         # open, when it changes rarely (per-sample cost must stay flat at a million samples).
-        seen = Seen(counts, self.verified_fingerprint() if stages.gate(counts).open else None)
+        share = self.cfg.shard.count > 1
+        seen = Seen(counts, self.verified_fingerprint() if stages.gate(counts, share).open
+                    else None)
         facts: dict[str, Any] = {}
         blocked = []
         for stage in self.stages:
@@ -240,7 +242,7 @@ class Daemon:
             facts.update(part)
         if facts.get("budget_pause") and self.set_aside:
             facts["budget_pause"] += budgets.reclaimable(self.set_aside)
-        return Facts(counts=counts, operator_pause=self.ledger.meta("pause"),
+        return Facts(counts=counts, operator_pause=self.ledger.meta("pause"), share=share,
                      blocked=next((b for b in blocked if b), None), **facts)
 
     def unblock(self, all_failed: bool) -> None:

@@ -234,6 +234,26 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_pa
     assert "trains_elsewhere" in ShardGate(one).observe(seen)
 
 
+def test_the_training_nodes_gate_fails_where_every_share_is_empty(tmp_path):
+    """An empty share joins (its manifest lists nothing); the union of empty shares is nothing to
+    train on, and the training node says so."""
+    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.dataset import contract
+    from eagle3d.statemachine.ledger import Counts
+    from eagle3d.statemachine.stages import Seen
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
+    root = tmp_path / "dataset"
+    for index in range(3):
+        publish(root, index, 3, n=0)
+    contract.write(cfg.paths.dataset_dir, {**CONTRACT, "shard": {"index": 0, "count": 3}})
+    seen = Seen(Counts({}, {}, {}), manifest.EMPTY)
+    assert ShardGate(cfg).observe(seen) == {"blocked": "every shard's share is empty (3 "
+                                            "shards): nothing to train on; check [data] source, "
+                                            "first, limit"}
+    publish(root, 2, 3, n=1)
+    assert ShardGate(cfg).observe(seen) == {}
+
+
 def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_tick(tmp_path):
     """The gate joins at every tick: an unchanged set is read and joined once, and a manifest
     published again (here of the same size and mtime, as a quick rewrite can be) at once."""
