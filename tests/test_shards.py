@@ -131,9 +131,9 @@ CONTRACT = {"format": 1, "target": "m", "target_fingerprint": "f", "layer_ids": 
 
 
 def publish(root: Path, index: int, count: int, stage: str = "done", n: int = 3,
-            also: tuple[str, ...] = (), **contract) -> list[str]:
+            also: tuple[str, ...] = (), state: dict | None = None, **contract) -> list[str]:
     """What a shard's daemon leaves in its folder: a manifest of n samples (and of the ids
-    `also`), its state file."""
+    `also`), its state file (with `state` over it)."""
     folder = root / shards.folder_name(index, count)
     folder.mkdir(parents=True, exist_ok=True)
     ids = [f"{index:02d}{k:030d}" for k in range(n)] + list(also)
@@ -145,7 +145,8 @@ def publish(root: Path, index: int, count: int, stage: str = "done", n: int = 3,
     if stage == "done":
         manifest.write(folder, doc)
     write_state(folder, {"stage": stage, "underlying": stage, "samples": {"verified": n,
-                "total": n + (stage != "done")}, "daemon": {"heartbeat": time.time() - 7}},
+                "total": n + (stage != "done")}, "daemon": {"heartbeat": time.time() - 7,
+                                                            "alive": True}, **(state or {})},
                 layout.published_state(folder))
     return [s["id"] for s in samples]
 
@@ -207,6 +208,46 @@ def test_status_on_the_training_node_shows_every_shard_from_what_it_published(tm
     assert [(s["name"], s["stage"], s["manifest"]) for s in view] == [
         ("shard-0-of-3", "not started", False), ("shard-1-of-3", "done", True),
         ("shard-2-of-3", "extract", False)]
+
+
+def test_the_training_nodes_status_exits_8_for_a_shard_stale_stopped_failed_or_waiting(tmp_path):
+    """operations.md pages on any code but 0 from the training node: a shard whose daemon died
+    days ago, one stopped before it was done, one failed and one at its own gate each make it
+    exit 8, the shard's line saying which; a shard at work or done does not."""
+    import os
+
+    from tests.pipeline import ctl
+    config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
+    cfg = load_config(config)
+    cfg.paths.state_dir.mkdir(parents=True)
+    write_state(cfg.paths.state_dir, {  # this node's own daemon: alive, waiting for the shards
+        "stage": "verify", "underlying": "verify", "reason": "waiting for shards",
+        "daemon": {"pid": os.getpid(), "alive": True,
+                   "heartbeat": time.time() + 3600}})  # fresh while the test runs
+    root = tmp_path / "dataset"
+    publish(root, 1, 3)
+    publish(root, 2, 3, stage="extract")
+    done = ctl(config, "status")
+    assert done.returncode == 0, done.stdout + done.stderr
+    away = time.time() - 3 * 86400 - 60
+    for state, words in [
+            ({"daemon": {"heartbeat": away, "alive": True}}, "stale: no heartbeat for 3d 00h"),
+            ({"daemon": {"heartbeat": away, "alive": False}}, "not running: stopped 3d 00h ago"),
+            ({"stage": "failed", "reason": "spot check failed"}, "failed: spot check failed"),
+            ({"stage": "verify", "reason": "training gate closed: 2 failed",
+              "gate": {"waits_for_operator": True}}, "waiting for an operator: training gate"),
+            ({"stage": "paused", "paused_by": "budget", "reason": "[budget] reserve"},
+             "waiting for an operator: [budget] reserve")]:
+        publish(root, 2, 3, stage="extract", state=state)
+        shown = ctl(config, "status")
+        assert shown.returncode == 8, (words, shown.stdout + shown.stderr)
+        line = next(x for x in shown.stdout.splitlines() if "shard-2-of-3:" in x)
+        assert words in line
+        assert json.loads(ctl(config, "status", "--json").stdout)["shards_down"] == [
+            f"shard-2-of-3: {line.split(' · ')[-1]}"]
+    # A shard's own node judges itself only: the training node answers for the others.
+    one = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 1}}, "one.toml"))
+    assert json.loads(ctl(one.path, "status", "--json").stdout)["shards_down"] == []
 
 
 def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_path):
