@@ -136,13 +136,16 @@ def ensure_contract(dataset_dir: Path, wanted: dict[str, Any]) -> dict[str, Any]
 
 # ---- one conversation -------------------------------------------------------------------------
 
-def owned(conv: Conversation, shard: shards.Shard) -> bool:
-    """Whether this shard plans the conversation: by its content id, or by its index where it
-    has no messages (an unusable record, skipped by whichever shard owns it)."""
+def owned(conv: Conversation, shard: shards.Shard, responses: str) -> bool:
+    """Whether this shard plans the conversation: by the id its (first) sample will carry, so
+    that two records of one sample id land in one shard, whose ledger plans it once; by its
+    index where it has no messages (an unusable record, skipped by whichever shard owns it)."""
     if shard.count == 1:
         return True
-    key = sample_id(conv.messages) if conv.messages is not None else \
-        digests.hex_digest(str(conv.idx).encode())
+    if conv.messages is None:
+        key = digests.hex_digest(str(conv.idx).encode())
+    else:
+        key = sample_id(prompt_turns(conv.messages) if responses == "target" else conv.messages)
     return shards.owner(key, shard.count) == shard.index
 
 
@@ -150,6 +153,12 @@ def sample_id(messages: Sequence[dict]) -> str:
     # Not json_digest: the ids written so far keep non-ASCII text as it is.
     return digests.hex_digest(json.dumps(list(messages), sort_keys=True,
                                          ensure_ascii=False).encode())
+
+
+def prompt_turns(messages: Sequence[dict]) -> list[dict]:
+    """Where the target writes the answers: what it answers, the system and user turns (the
+    source's assistant turns are not part of the sample, nor of its id)."""
+    return [dict(m) for m in messages if m["role"] != "assistant"]
 
 
 def assistant_spans(tokenizer: Any, messages: list[dict], text: str) -> list[tuple[int, int]]:
@@ -282,7 +291,7 @@ def plan_prompts(tokenizer: Any, convs: Sequence[Conversation], max_tokens: int,
         if conv.messages is None:
             skipped.append((conv.idx, conv.problem or "unusable"))
             continue
-        kept = [dict(m) for m in conv.messages if m["role"] != "assistant"]
+        kept = prompt_turns(conv.messages)
         users = [i for i, m in enumerate(kept) if m["role"] == "user"]
         if not users:
             skipped.append((conv.idx, "no user turn for the target to answer"))
@@ -367,7 +376,7 @@ def plan(cfg: Config, ledger: Ledger, tokenizer: Any, hidden_size: int) -> None:
 
     for conv in iter_conversations(data.source_path, data.format, start, end - start):
         through = conv.idx
-        if not owned(conv, cfg.shard):
+        if not owned(conv, cfg.shard, data.responses):
             continue
         batch.append(conv)
         read += 1

@@ -12,6 +12,9 @@ Exit codes (a monitor or a script branches on them):
   5  status: running, but the last edit of the config was not applied (its reload was refused)
   6  check-config: valid, but it takes a restart of the daemon (the keys are named)
   7  check-config: valid, but the daemon would refuse it (why is named)
+  8  status on the training node of a sharded dataset: another shard is stale (its heartbeat
+     older than a minute), stopped before it was done, failed or waiting for an operator (its
+     line says which: "stale: no heartbeat for 3d 00h", "failed: ...")
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ from eagle3d.statemachine.version import VERSION
 
 DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
 HEARTBEAT_STALE_S = 15.0
+# Another shard's heartbeat, written on its host: that host's clock and the shared file
+# system's caching come on top of the daemon's own stale bound.
+SHARD_STALE_S = 60.0
 ACK_TIMEOUT_S = 10.0
 
 
@@ -77,7 +83,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
             samples["total"] = counts.total
             samples["skipped"] = ledger.skipped_count()
             tokens = {"done": counts.done_tokens, "total": counts.wanted_tokens}
-            g = gate(counts)
+            g = gate(counts, cfg.shard.count > 1)
             out["gate"] = {"open": g.open, "describe": g.describe(),
                            "waits_for_operator": g.waits_for_operator}
             for s in ledger.samples("failed", limit=5):
@@ -115,14 +121,43 @@ def collect_status(cfg: Config) -> dict[str, Any]:
                      "heartbeat_age_s": None if age is None else round(age, 2)}
     if cfg.shard.count > 1:
         from eagle3d.daemon import shard_view  # only a sharded dataset has shards to show
-        out["shards"] = shard_view.collect(cfg)
+        out["shards"] = [{**sh, "problem": None if sh["name"] == cfg.shard.name else
+                          shard_problem(sh)} for sh in shard_view.collect(cfg)]
+        # The training node answers for every shard: operations.md pages on its exit code.
+        out["shards_down"] = [f"{sh['name']}: {sh['problem']}" for sh in out["shards"]
+                              if sh["problem"] and cfg.shard.trains]
     return out
+
+
+def shard_problem(sh: dict[str, Any]) -> str | None:
+    """Why another shard needs a person, from the state it published (shard_view.collect); None
+    while it works, once it is done, and before it first published."""
+    if sh["underlying"] in (None, "done"):
+        return None
+    age = sh["heartbeat_age_s"]
+    if not sh["alive"]:
+        return f"not running: stopped {_human_s(age)} ago before it was done"
+    if age is None or age > SHARD_STALE_S:
+        return f"stale: no heartbeat for {_human_s(age)} (its daemon is dead or hung)"
+    if sh["stage"] == "failed":
+        return "failed: " + sh["reason"]
+    if waits_for_operator(sh):
+        return "waiting for an operator: " + sh["reason"]
+    if sh["config_problem"]:
+        return "its last config edit was not applied: " + sh["config_problem"]
+    return None
+
+
+def waits_for_operator(st: dict[str, Any]) -> bool:
+    """At the training gate with failed samples, or behind a disk budget: a person is needed."""
+    return bool(st.get("gate", {}).get("waits_for_operator") or st.get("paused_by") == "budget")
 
 
 FAILED, BAD_CONFIG, NOT_RUNNING = 1, 2, 3
 WAITS_FOR_OPERATOR = 4
 EDIT_NOT_APPLIED = 5
 NEEDS_RESTART_CODE, RELOAD_REFUSED = 6, 7
+SHARD_DOWN = 8
 
 
 def status_code(st: dict[str, Any]) -> int:
@@ -134,8 +169,10 @@ def status_code(st: dict[str, Any]) -> int:
         return FAILED
     if st.get("config_problem"):
         return EDIT_NOT_APPLIED
-    if st.get("gate", {}).get("waits_for_operator") or st.get("paused_by") == "budget":
+    if waits_for_operator(st):
         return WAITS_FOR_OPERATOR
+    if st.get("shards_down"):
+        return SHARD_DOWN
     return 0
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3d.daemon.children import Child, module_argv, remaining
+from eagle3d.statemachine.atomic import temp_path
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import token_ids
 
@@ -203,7 +204,7 @@ def deliver_redirected(spool: Path, redirected: dict[str, Path]) -> None:
         source = spool / SPOT_FOLDER / name
         if not source.exists():
             continue
-        tmp = folder / f".{name}.{os.getpid()}.tmp"
+        tmp = temp_path(folder / name)
         shutil.copyfile(source, tmp)
         os.replace(tmp, folder / name)
         source.unlink()

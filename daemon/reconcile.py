@@ -205,8 +205,10 @@ class Daemon:
         n = self.ledger.requeue_inflight(why)
         if n:
             log.info("returned %d in-flight samples to pending", n)
-        for name in remove_dead_temps(self.cfg.paths.state_dir) + remove_dead_temps(
-                self.cfg.paths.train_dir) + remove_dead_temps(self.cfg.paths.dataset_dir):
+        # The train folder is the training node's alone: the other shards share it, not its work.
+        folders = (self.cfg.paths.state_dir, self.cfg.paths.dataset_dir,
+                   *((self.cfg.paths.train_dir,) if self.cfg.shard.trains else ()))
+        for name in (name for folder in folders for name in remove_dead_temps(folder)):
             log.info("removed %s: its writer is gone", name)
         removed = remove_dataset_debris(self.cfg.paths.dataset_dir, self.ledger)
         if removed:
@@ -267,7 +269,9 @@ class Daemon:
         counts = self.ledger.counts()
         # The verified set's fingerprint costs a pass over it: only worth it once the gate is
         # open, when it changes rarely (per-sample cost must stay flat at a million samples).
-        seen = Seen(counts, self.verified_fingerprint() if stages.gate(counts).open else None)
+        share = self.cfg.shard.count > 1
+        seen = Seen(counts, self.verified_fingerprint() if stages.gate(counts, share).open
+                    else None)
         facts: dict[str, Any] = {}
         blocked = []
         for stage in self.stages:
@@ -277,7 +281,7 @@ class Daemon:
         if facts.get("budget_pause") and self.set_aside:
             facts["budget_pause"] += budgets.reclaimable(self.set_aside)
         return Facts(counts=counts, operator_pause=requests.operator_pause(
-                         self.root_cfg.paths.state_dir),
+                         self.root_cfg.paths.state_dir), share=share,
                      blocked=next((b for b in blocked if b), None), **facts)
 
     def unblock(self, all_failed: bool) -> None:

@@ -49,6 +49,9 @@ class ShardGate:
         if self.last.waiting:
             return {"shards_waiting": "waiting for shards to publish a verified manifest: "
                     + "; ".join(self.last.waiting)}
+        if not self.last.manifest["samples"]:
+            return {"blocked": f"every shard's share is empty ({shard.count} shards): nothing "
+                    "to train on; check [data] source, first, limit"}
         return {}
 
     def step(self, decision: Decision) -> None:

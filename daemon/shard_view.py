@@ -20,7 +20,11 @@ def collect(cfg: Config) -> list[dict[str, Any]]:
         st = state or {}
         beat = st.get("daemon", {}).get("heartbeat")
         out.append({"name": name, "stage": st.get("stage", "not started"),
-                    "reason": st.get("reason", problem or ""),
+                    "underlying": st.get("underlying"), "reason": st.get("reason", problem or ""),
+                    # What eagle3ctl's exit code judges a shard by (ctl.shard_problem).
+                    "alive": st.get("daemon", {}).get("alive", False), "gate": st.get("gate", {}),
+                    "paused_by": st.get("paused_by"),
+                    "config_problem": st.get("config", {}).get("problem"),
                     "samples": st.get("samples", {}), "rate": st.get("rate", {}),
                     "eta_s": st.get("eta_s"), "disk": st.get("disk", []),
                     "heartbeat_age_s": None if beat is None else round(now - beat, 2),
@@ -41,5 +45,6 @@ def render(view: list[dict[str, Any]]) -> list[str]:
             f"ETA {'-' if eta is None else f'{eta:.0f} s'} · "
             f"{'-' if free is None else human_bytes(free)} free · heartbeat "
             f"{'never' if beat is None else f'{beat:.0f} s ago'}"
-            f"{' · manifest published' if sh['manifest'] else ''}")
+            f"{' · manifest published' if sh['manifest'] else ''}"
+            f"{' · ' + sh['problem'] if sh.get('problem') else ''}")
     return lines

@@ -24,7 +24,7 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
     eta = statuses[stage][1].get("eta_s") if stage in statuses else None
     # The throughput and the spool's bytes: figures of the stage that ingests.
     ingest = next((status for _, status in statuses.values() if "rate" in status), {})
-    gate = stages.gate(counts)
+    gate = stages.gate(counts, daemon.cfg.shard.count > 1)
     return {
         "stage": "stopped" if final else "stopping" if daemon.stopping else (
             decision.stage.value if decision else "plan"),

@@ -19,7 +19,7 @@ from watchdog.observers import Observer
 
 from eagle3d.dataset import dumpformat
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.atomic import remove_dead_temps, writer_pid
+from eagle3d.statemachine.atomic import remove_dead_temps, writer
 
 log = logging.getLogger("eagle3d")
 
@@ -114,7 +114,7 @@ class Spool:
                 continue
             total += st.st_size
             if name.startswith("."):
-                if writer_pid(name) is not None:
+                if writer(name) is not None:
                     continue  # a live writer's, or removed below once its writer is gone
                 if time.time() - st.st_mtime > STRAY_AGE_S:
                     self.offer(name)  # ingest rejects it, with its reason

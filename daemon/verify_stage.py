@@ -133,6 +133,8 @@ class SpotCheck:
         """(ok, detail) of the spot check recorded for this verified set, or None."""
         if self.cfg.verify.spot_checks == 0:
             return True, "spot checks disabled ([verify] spot_checks = 0)"
+        if fingerprint == manifest.EMPTY:  # an empty shard's: no engine to load for nothing
+            return True, "no verified sample to check"
         if self.ledger.meta("spotcheck.fingerprint") != fingerprint:
             return None
         ok = self.ledger.meta("spotcheck.ok") == "1"
@@ -271,7 +273,7 @@ class VerifyStage:
         if counts.get("extracted"):
             self.runner.start()
             return
-        if self.runner.running or not stages.gate(counts).open:
+        if self.runner.running or not stages.gate(counts, self.cfg.shard.count > 1).open:
             return
         fingerprint = self.verified_fingerprint()
         if self.spot.result(fingerprint) is None:

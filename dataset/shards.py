@@ -3,7 +3,8 @@ under the shared dataset root (statemachine/shards.py), checked, and the union t
 
 A shard joins when its manifest is whole (its fingerprint sums the samples it lists), its daemon
 published that it is done, and it was captured under this node's contract; a shard of another
-contract is refused by name. Nothing here opens another node's ledger.
+contract is refused by name, and so are two shards that list one sample id. Nothing here opens
+another node's ledger.
 """
 
 from __future__ import annotations
@@ -35,6 +36,22 @@ def union(parts: list[tuple[str, dict[str, Any]]], contract: dict[str, Any]) -> 
                         "samples": len(doc["samples"])} for name, doc in parts]}
 
 
+def duplicates(parts: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The samples two shards both list, one line per pair of shards: a sample is one shard's
+    (its owner by the id it carries), so one listed twice means shards that split the source
+    differently, and training would read it twice."""
+    first: dict[str, str] = {}
+    twice: dict[tuple[str, str], list[str]] = {}
+    for name, doc in parts:
+        for s in doc["samples"]:
+            owner = first.setdefault(s["id"], name)
+            if owner != name:
+                twice.setdefault((owner, name), []).append(s["id"])
+    return [f"{a} and {b} both list {len(ids)} sample{'s' * (len(ids) > 1)} "
+            f"({', '.join(ids[:3])}{', ...' * (len(ids) > 3)}), which training would read "
+            "twice: redo one of the two shards" for (a, b), ids in twice.items()]
+
+
 Stamp = tuple[int, int, int]
 
 
@@ -57,7 +74,7 @@ class ShardSet:
         self.folders = shards.all_folders(dataset_root, count)
         self.contract = contract
         self._read: dict[Path, tuple[Stamp, Any]] = {}
-        self._union: tuple[list[tuple[str, Stamp]], dict[str, Any]] | None = None
+        self._union: tuple[list[tuple[str, Stamp]], Join] | None = None
         self.reads = 0  # files read (not found unchanged): what the cache saves shows here
 
     def _cached(self, path: Path, read: Callable[[], Any]) -> tuple[Stamp | None, Any]:
@@ -111,8 +128,10 @@ class ShardSet:
         if waiting or refused:
             return Join(None, waiting, refused)
         if self._union is None or self._union[0] != stamps:
-            self._union = (stamps, union(parts, self.contract))
-        return Join(self._union[1], [], [])
+            twice = duplicates(parts)
+            self._union = (stamps, Join(None, [], twice) if twice else
+                           Join(union(parts, self.contract), [], []))
+        return self._union[1]
 
 
 def samples_root(cfg: Config) -> Path:

@@ -99,9 +99,11 @@ def checked_manifest(cfg: Config) -> dict[str, Any]:
             manifest_mod.check(manifest, ledger)
     except (manifest_mod.ManifestMismatch, LedgerError) as exc:
         raise Refusal(f"refusing to train: {exc}") from None
-    if not manifest["samples"]:
+    # A shard's own manifest may be empty (an empty share); what is trained may not.
+    trained = shards.trained_union(cfg, manifest) if cfg.shard.count > 1 else manifest
+    if not trained["samples"]:
         raise Refusal("refusing to train: the manifest lists no samples")
-    return shards.trained_union(cfg, manifest) if cfg.shard.count > 1 else manifest
+    return trained
 
 
 def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:

@@ -3,33 +3,42 @@
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Iterable
 
 
+# This host, as a temp file's name carries it: a pid means something on its own host only, and
+# a shared folder (the shards' dataset root, the train folder) is written from several hosts.
+# Dots would split the name's parts; a host name has none other than its domain's.
+HOST = socket.gethostname().replace(".", "_")
+
+
 def temp_path(path: Path) -> Path:
-    """Where a file is written before its rename: `.<name>.<writer's pid>.tmp` beside it, so
-    that what a killed writer left can be told from a live writer's work."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Where a file is written before its rename: `.<name>.<writer's host>.<writer's pid>.tmp`
+    beside it, so that what a killed writer left can be told from a live writer's work."""
+    return path.with_name(f".{path.name}.{HOST}.{os.getpid()}.tmp")
 
 
-def writer_pid(name: str) -> int | None:
-    """The writer's pid in a temp file's name, or None for any other name."""
+def writer(name: str) -> tuple[str, int] | None:
+    """(host, pid) of the writer of a temp file, from its name, or None for any other name."""
     parts = name.split(".")
-    if len(parts) >= 4 and parts[0] == "" and parts[-1] == "tmp" and parts[-2].isdigit():
-        return int(parts[-2])
+    if len(parts) >= 5 and parts[0] == "" and parts[-1] == "tmp" and parts[-2].isdigit() \
+            and parts[-3]:
+        return parts[-3], int(parts[-2])
     return None
 
 
 def remove_dead_temps(folder: str | os.PathLike, names: Iterable[str] | None = None) -> list[str]:
     """Remove the temp files whose writer is gone (killed between its write and its rename:
-    nothing else would ever remove them); returns their names. `names`: the folder's entries
-    where the caller has just listed it (a spool of a million dumps is not listed twice)."""
+    nothing else would ever remove them); returns their names. Only this host's: another host's
+    pid cannot be judged here. `names`: the folder's entries where the caller has just listed
+    it (a spool of a million dumps is not listed twice)."""
     folder = Path(folder)
     removed = []
     for name in (p.name for p in folder.glob(".*.tmp")) if names is None else names:
-        pid = writer_pid(name)
-        if pid is None or _alive(pid):
+        who = writer(name)
+        if who is None or who[0] != HOST or _alive(who[1]):
             continue
         try:
             (folder / name).unlink()

@@ -27,6 +27,10 @@ def fingerprint(rows: Iterable[tuple[str, str]]) -> str:
     return h.hexdigest()
 
 
+# Of no sample at all: an empty shard's share (statemachine/shards.py).
+EMPTY = fingerprint(())
+
+
 def ledger_fingerprint(ledger: Ledger) -> str:
     return fingerprint(ledger.verified_fingerprint_rows())
 

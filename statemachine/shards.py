@@ -1,9 +1,11 @@
 """Shards: extraction over N nodes, each its own daemon planning a deterministic share.
 
-A conversation belongs to shard `int(content id) mod N`, its content id being the hash of its
-messages (the sample id): the split does not depend on the order, on [data] limit or on which
-other nodes ever ran, so a raised limit only adds conversations to each shard and a shard re-run
-on another node plans exactly what it planned before.
+A conversation belongs to shard `int(content id) mod N`, its content id being the id its sample
+will carry (the hash of its messages; where the target writes the answers, of its system and
+user turns): the split does not depend on the order, on [data] limit or on which other nodes
+ever ran, so a raised limit only adds conversations to each shard and a shard re-run on another
+node plans exactly what it planned before; and two records of one sample id are one shard's,
+whose ledger plans the sample once.
 
 Every shard keeps its folders under the configured ones, as `<folder>/shard-<i>-of-<N>/` (state,
 spool, dataset); the dataset roots of all shards are one shared folder, where each shard

@@ -43,10 +43,12 @@ class Gate(NamedTuple):
         return "closed: " + ", ".join(f"{n} {s}" for s, n in self.blocking.items() if n)
 
 
-def gate(counts: Counts) -> Gate:
+def gate(counts: Counts, share: bool = False) -> Gate:
+    """`share`: one shard's share of a sharded dataset, complete with no verified sample at all
+    (the training node judges the union of the shares)."""
     blocking = {s: counts.get(s) for s in ("ungenerated", "generating", "pending", "inflight",
                                            "extracted", "failed") if counts.get(s)}
-    return Gate(not blocking and counts.get("verified") > 0, blocking)
+    return Gate(not blocking and (share or counts.get("verified") > 0), blocking)
 
 
 class Seen(NamedTuple):
@@ -67,6 +69,7 @@ class Facts(NamedTuple):
     spot_check_failed: str | None = None
     shards_waiting: str | None = None    # the training node: shards that have not published
     trains_elsewhere: str | None = None  # a shard that is not the training node
+    share: bool = False  # one shard of several: an empty share is complete (gate's `share`)
 
 
 class Decision(NamedTuple):
@@ -80,7 +83,7 @@ def _work_stage(f: Facts) -> tuple[Stage, str]:
     c = f.counts
     if not f.plan_complete:
         return Stage.PLAN, "tokenizing conversations"
-    if c.total == 0:
+    if c.total == 0 and not f.share:
         return Stage.FAILED, "the plan produced no usable samples: check [data] source, first, limit"
     if c.get("ungenerated") or c.get("generating"):
         # A sample, not a conversation: with [generate] answers = K each conversation is K.
@@ -90,7 +93,7 @@ def _work_stage(f: Facts) -> tuple[Stage, str]:
         return Stage.EXTRACT, f"{c.get('pending') + c.get('inflight')} samples to extract"
     if c.get("extracted"):
         return Stage.VERIFY, f"{c.get('extracted')} samples to verify"
-    g = gate(c)
+    g = gate(c, f.share)
     if not g.open:
         if g.waits_for_operator:
             return Stage.VERIFY, (f"training gate {g.describe()}: retry them (eagle3ctl retry "

@@ -49,7 +49,7 @@ def test_a_sample_id_and_its_shard_keep_their_values():
     assert sid == "52f8d556a8f8d7175d73c8cfb4cd3477"
     assert shards.owner(sid, 7) == 4
     owned = [idx for idx in range(16)
-             if planner.owned(Conversation(idx, None, "empty"), shards.Shard(0, 3))]
+             if planner.owned(Conversation(idx, None, "empty"), shards.Shard(0, 3), "dataset")]
     assert owned == [1, 2, 6, 8, 14]
 
 

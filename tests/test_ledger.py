@@ -135,15 +135,17 @@ def test_a_killed_writers_temp_file_is_removed_and_a_live_ones_kept(tmp_path):
     import os
     import subprocess
 
-    from eagle3d.statemachine.atomic import remove_dead_temps
+    from eagle3d.statemachine.atomic import HOST, remove_dead_temps, temp_path
     gone = subprocess.Popen(["true"])  # a writer that has exited
     gone.wait()
-    (tmp_path / f".state.toml.{gone.pid}.tmp").write_text("half")
-    (tmp_path / f".state.toml.{os.getpid()}.tmp").write_text("mine")
+    (tmp_path / f".state.toml.{HOST}.{gone.pid}.tmp").write_text("half")
+    temp_path(tmp_path / "state.toml").write_text("mine")
+    # Another host's writer of that pid: nothing here can tell whether it is alive.
+    (tmp_path / f".state.toml.{HOST}x.{gone.pid}.tmp").write_text("theirs")
     (tmp_path / ".note").write_text("not a temp file")
-    assert remove_dead_temps(tmp_path) == [f".state.toml.{gone.pid}.tmp"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".note",
-                                                         f".state.toml.{os.getpid()}.tmp"]
+    assert remove_dead_temps(tmp_path) == [f".state.toml.{HOST}.{gone.pid}.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        ".note", f".state.toml.{HOST}.{os.getpid()}.tmp", f".state.toml.{HOST}x.{gone.pid}.tmp"])
 
 
 def test_a_generator_batch_takes_the_shortest_prompts_of_its_window_and_each_once(ledger):

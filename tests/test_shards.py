@@ -72,7 +72,7 @@ def _plan(tmp_path: Path, tokenizer, source: Path, name: str, limit: int, **data
                                                   "limit": limit, **data}}))
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         planner.plan(cfg, ledger, tokenizer, 576)
-        samples = {s.id: (s.idx, s.tokens, s.loss_tokens) for s in ledger.iter_samples("pending")}
+        samples = {s.id: (s.idx, s.tokens, s.loss_tokens) for s in ledger.iter_samples()}
         skipped = dict(ledger.db.execute("SELECT idx, reason FROM skipped").fetchall())
     return {"samples": samples, "skipped": skipped}
 
@@ -104,6 +104,26 @@ def test_shard_plans_are_disjoint_and_cover_one_daemons_plan(tmp_path, tokenizer
     assert fewer["samples"].items() <= more["samples"].items()
 
 
+def test_one_prompt_with_different_answers_is_one_sample_of_one_shard(tmp_path, tokenizer):
+    """Where the target writes the answers, a sample's id is its prompt's: two records of one
+    prompt and different answers are one sample, planned once by the one shard that owns that
+    id, as one daemon plans it once."""
+    source = write_conversations(tmp_path / "conv.jsonl", 24, words=6)
+    records = [json.loads(line) for line in source.read_text().splitlines()]
+    with open(source, "a") as f:  # each prompt again, with another answer
+        for r in records:
+            f.write(json.dumps({"messages": [r["messages"][0], {
+                "role": "assistant", "content": "Another answer entirely."}]}) + "\n")
+    one = _plan(tmp_path, tokenizer, source, "one", 48, responses="target")
+    assert len(one["samples"]) == 24
+    parts = [_plan(tmp_path, tokenizer, source, f"shard{i}", 48, responses="target",
+                   shards=3, shard=i) for i in range(3)]
+    ids = [set(p["samples"]) for p in parts]
+    assert sum(map(len, ids)) == len(set().union(*ids)) == 24, "one prompt planned twice"
+    assert {k: v for p in parts for k, v in p["samples"].items()} == one["samples"]
+    assert {k: v for p in parts for k, v in p["skipped"].items()} == one["skipped"]
+
+
 # ---- the join ---------------------------------------------------------------------------------
 
 CONTRACT = {"format": 1, "target": "m", "target_fingerprint": "f", "layer_ids": [2, 15, 27],
@@ -111,19 +131,22 @@ CONTRACT = {"format": 1, "target": "m", "target_fingerprint": "f", "layer_ids": 
 
 
 def publish(root: Path, index: int, count: int, stage: str = "done", n: int = 3,
-            **contract) -> list[str]:
-    """What a shard's daemon leaves in its folder: a manifest of n samples, its state file."""
+            also: tuple[str, ...] = (), state: dict | None = None, **contract) -> list[str]:
+    """What a shard's daemon leaves in its folder: a manifest of n samples (and of the ids
+    `also`), its state file (with `state` over it)."""
     folder = root / shards.folder_name(index, count)
     folder.mkdir(parents=True, exist_ok=True)
-    samples = [{"id": f"{index:02d}{k:030d}", "path": f"000/{index}-{k}.safetensors",
-                "tokens": 10, "loss_tokens": 5, "checksum": f"c{index}{k}"} for k in range(n)]
+    ids = [f"{index:02d}{k:030d}" for k in range(n)] + list(also)
+    samples = [{"id": sid, "path": f"000/{index}-{k}.safetensors", "tokens": 10,
+                "loss_tokens": 5, "checksum": f"c{index}{k}"} for k, sid in enumerate(ids)]
     doc = {"fingerprint": manifest.fingerprint((s["id"], s["checksum"]) for s in samples),
            "contract": {**CONTRACT, "shard": {"index": index, "count": count}, **contract},
            "samples": samples}
     if stage == "done":
         manifest.write(folder, doc)
     write_state(folder, {"stage": stage, "underlying": stage, "samples": {"verified": n,
-                "total": n + (stage != "done")}, "daemon": {"heartbeat": time.time() - 7}},
+                "total": n + (stage != "done")}, "daemon": {"heartbeat": time.time() - 7,
+                                                            "alive": True}, **(state or {})},
                 layout.published_state(folder))
     return [s["id"] for s in samples]
 
@@ -156,6 +179,22 @@ def test_a_shard_of_another_model_is_refused_by_name(tmp_path):
     assert "target: 'm' -> 'other-model'" in joined.refused[0]
 
 
+def test_two_shards_listing_one_sample_are_refused_by_name_and_nothing_trains(tmp_path):
+    from eagle3d.dataset.shards import trained_union
+    from eagle3d.statemachine.entry import Refusal
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
+    root = tmp_path / "dataset"
+    publish(root, 0, 3)
+    one = publish(root, 1, 3)
+    publish(root, 2, 3, also=(one[1],))
+    joined = ShardSet(root, 3, CONTRACT).join(own="shard-0-of-3")
+    assert joined.manifest is None and not joined.waiting
+    assert joined.refused == [f"shard-1-of-3 and shard-2-of-3 both list 1 sample ({one[1]}), "
+                              "which training would read twice: redo one of the two shards"]
+    with pytest.raises(Refusal, match=f"shard-1-of-3 and shard-2-of-3 both list 1 sample"):
+        trained_union(cfg, {"contract": CONTRACT})
+
+
 def test_status_on_the_training_node_shows_every_shard_from_what_it_published(tmp_path):
     from tests.pipeline import ctl
     config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
@@ -169,6 +208,46 @@ def test_status_on_the_training_node_shows_every_shard_from_what_it_published(tm
     assert [(s["name"], s["stage"], s["manifest"]) for s in view] == [
         ("shard-0-of-3", "not started", False), ("shard-1-of-3", "done", True),
         ("shard-2-of-3", "extract", False)]
+
+
+def test_the_training_nodes_status_exits_8_for_a_shard_stale_stopped_failed_or_waiting(tmp_path):
+    """operations.md pages on any code but 0 from the training node: a shard whose daemon died
+    days ago, one stopped before it was done, one failed and one at its own gate each make it
+    exit 8, the shard's line saying which; a shard at work or done does not."""
+    import os
+
+    from tests.pipeline import ctl
+    config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
+    cfg = load_config(config)
+    cfg.paths.state_dir.mkdir(parents=True)
+    write_state(cfg.paths.state_dir, {  # this node's own daemon: alive, waiting for the shards
+        "stage": "verify", "underlying": "verify", "reason": "waiting for shards",
+        "daemon": {"pid": os.getpid(), "alive": True,
+                   "heartbeat": time.time() + 3600}})  # fresh while the test runs
+    root = tmp_path / "dataset"
+    publish(root, 1, 3)
+    publish(root, 2, 3, stage="extract")
+    done = ctl(config, "status")
+    assert done.returncode == 0, done.stdout + done.stderr
+    away = time.time() - 3 * 86400 - 60
+    for state, words in [
+            ({"daemon": {"heartbeat": away, "alive": True}}, "stale: no heartbeat for 3d 00h"),
+            ({"daemon": {"heartbeat": away, "alive": False}}, "not running: stopped 3d 00h ago"),
+            ({"stage": "failed", "reason": "spot check failed"}, "failed: spot check failed"),
+            ({"stage": "verify", "reason": "training gate closed: 2 failed",
+              "gate": {"waits_for_operator": True}}, "waiting for an operator: training gate"),
+            ({"stage": "paused", "paused_by": "budget", "reason": "[budget] reserve"},
+             "waiting for an operator: [budget] reserve")]:
+        publish(root, 2, 3, stage="extract", state=state)
+        shown = ctl(config, "status")
+        assert shown.returncode == 8, (words, shown.stdout + shown.stderr)
+        line = next(x for x in shown.stdout.splitlines() if "shard-2-of-3:" in x)
+        assert words in line
+        assert json.loads(ctl(config, "status", "--json").stdout)["shards_down"] == [
+            f"shard-2-of-3: {line.split(' · ')[-1]}"]
+    # A shard's own node judges itself only: the training node answers for the others.
+    one = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 1}}, "one.toml"))
+    assert json.loads(ctl(one.path, "status", "--json").stdout)["shards_down"] == []
 
 
 def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_path):
@@ -194,6 +273,26 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_pa
     assert gate.observe(seen) == {} and gate.fingerprint()
     one = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 1}}, "one.toml"))
     assert "trains_elsewhere" in ShardGate(one).observe(seen)
+
+
+def test_the_training_nodes_gate_fails_where_every_share_is_empty(tmp_path):
+    """An empty share joins (its manifest lists nothing); the union of empty shares is nothing to
+    train on, and the training node says so."""
+    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.dataset import contract
+    from eagle3d.statemachine.ledger import Counts
+    from eagle3d.statemachine.stages import Seen
+    cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
+    root = tmp_path / "dataset"
+    for index in range(3):
+        publish(root, index, 3, n=0)
+    contract.write(cfg.paths.dataset_dir, {**CONTRACT, "shard": {"index": 0, "count": 3}})
+    seen = Seen(Counts({}, {}, {}), manifest.EMPTY)
+    assert ShardGate(cfg).observe(seen) == {"blocked": "every shard's share is empty (3 "
+                                            "shards): nothing to train on; check [data] source, "
+                                            "first, limit"}
+    publish(root, 2, 3, n=1)
+    assert ShardGate(cfg).observe(seen) == {}
 
 
 def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_tick(tmp_path):
@@ -227,6 +326,37 @@ def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_ti
     assert gate.observe(seen) == {} and gate.fingerprint() != first
     assert gate.set.reads == reads + 1  # that manifest, and nothing else
     assert {s["checksum"] for s in gate.last.manifest["samples"]} >= {"cX0"}
+
+
+def test_only_the_training_node_clears_the_train_folder_and_only_this_hosts_temps(tmp_path):
+    """The train folder is shared by every shard, and by hosts: a shard's start leaves it alone,
+    and the training node's removes a dead writer's temp file only where that writer ran on this
+    host (another host's pid means nothing here, and its writer may be at work)."""
+    import subprocess
+
+    from eagle3d.daemon.reconcile import Daemon
+    from eagle3d.statemachine.atomic import HOST
+    source = write_conversations(tmp_path / "conv.jsonl", 4)
+    configs = [make_config(tmp_path, {"data": {"source": str(source), "format": "messages",
+                                               "limit": 4, "shards": 2, "shard": i}},
+                           name=f"shard{i}.toml") for i in range(2)]
+    gone = subprocess.Popen(["true"])  # a writer that has exited, as a pid on each host
+    gone.wait()
+    train = tmp_path / "train"
+    train.mkdir(mode=0o750)
+    here, there = (train / f".progress.json.{host}.{gone.pid}.tmp" for host in (HOST, "node-b"))
+    for temp in (here, there):
+        temp.write_text("half")
+
+    def start(config: Path) -> None:
+        daemon = Daemon(load_config(config))
+        daemon.recover()
+        daemon.shutdown()
+        daemon.ledger.close()
+    start(configs[1])
+    assert here.exists() and there.exists(), "a shard's start touched the train folder"
+    start(configs[0])
+    assert not here.exists() and there.exists()
 
 
 def test_a_sharded_node_refuses_a_run_its_folders_cannot_hold(tmp_path):

@@ -55,3 +55,32 @@ def test_three_shards_one_killed_and_held_back_then_one_training_of_every_sample
     assert len(ids) == len(set(ids)) == sum(c["verified"] for c in counts)
     assert all(p.is_file() for p in data.sample_paths(union, shards.samples_root(cfg)))
     assert status(configs[0])["reason"] == "daemon stopped; training the drafter"
+
+
+def test_many_shards_on_a_tiny_source_the_empty_ones_are_done_and_shard_0_trains_the_rest(
+        tmp_path):
+    """Four shards of two conversations: shards 0, 2 and 3 own none. An empty share is done with
+    an empty manifest, and the training node, empty itself, trains on the union of the rest."""
+    from eagle3d.capture.planner import owned
+    from eagle3d.dataset.conversations import iter_conversations
+    from eagle3d.drafter.train import checked_manifest
+    from eagle3d.statemachine import manifest
+    configs = shard_configs(tmp_path, 2, 4)
+    cfgs = [load_config(c) for c in configs]
+    owns = [sum(owned(c, cfg.shard, cfg.data.responses)
+                for c in iter_conversations(cfg.data.source_path, "messages")) for cfg in cfgs]
+    assert owns == [0, 2, 0, 0]  # the split of this source: the training node owns nothing
+    with DaemonProcess(configs[0], "--until", "train") as trainer_node, \
+            DaemonProcess(configs[1], "--until", "done") as one, \
+            DaemonProcess(configs[2], "--until", "done") as two, \
+            DaemonProcess(configs[3], "--until", "done") as three:
+        for daemon in (two, three, one, trainer_node):
+            assert daemon.wait(300) == 0, daemon.output()[-3000:]
+    for cfg, config in zip(cfgs[2:], configs[2:]):
+        st = status(config)
+        assert (st["stage"], st["samples"]["total"]) == ("stopped", 0)
+        assert "is verified and published" in st["reason"]
+        assert manifest.read(cfg.paths.dataset_dir)["samples"] == []
+    assert status(configs[0])["reason"] == "daemon stopped; training the drafter"
+    union = checked_manifest(cfgs[0])
+    assert [s["path"].split("/")[0] for s in union["samples"]] == ["shard-1-of-4"] * 2

@@ -33,6 +33,15 @@ CASES = [
      Stage.FAILED, Stage.FAILED, "spot check failed"),
     ("no manifest yet", counts(verified=4), dict(plan_complete=True), Stage.VERIFY, Stage.VERIFY,
      "manifest"),
+    ("an empty share", counts(), dict(plan_complete=True, share=True), Stage.VERIFY,
+     Stage.VERIFY, "writing the dataset manifest"),
+    ("an empty share published", counts(), dict(DONE_VERIFYING, share=True, trains_elsewhere=
+     "shard-1-of-3 is verified and published"), Stage.DONE, Stage.DONE, "published"),
+    ("a share all excluded", counts(excluded=2), dict(plan_complete=True, share=True),
+     Stage.VERIFY, Stage.VERIFY, "writing the dataset manifest"),
+    ("an empty training node waits for the shards", counts(), dict(
+        DONE_VERIFYING, share=True, shards_waiting="waiting for shards: shard-2-of-3: extract"),
+     Stage.VERIFY, Stage.VERIFY, "shard-2-of-3: extract"),
     ("a shard published", counts(verified=4), dict(DONE_VERIFYING, trains_elsewhere="shard-1-of-3 "
      "is verified and published"), Stage.DONE, Stage.DONE, "published"),
     ("the training node waits for shards", counts(verified=4), dict(

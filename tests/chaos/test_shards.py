@@ -33,7 +33,7 @@ def chaos_shard_configs(tmp_path: Path, n: int) -> list[Path]:
 def planned(config: Path) -> int:
     """The conversations of the source this shard owns: what its audit must account for."""
     cfg = load_config(config)
-    return sum(owned(c, cfg.shard) for c in iter_conversations(cfg.data.source_path, "messages"))
+    return sum(owned(c, cfg.shard, cfg.data.responses) for c in iter_conversations(cfg.data.source_path, "messages"))
 
 
 def working_for(index: int) -> list[psutil.Process]:
