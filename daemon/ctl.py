@@ -136,9 +136,9 @@ def shard_problem(sh: dict[str, Any]) -> str | None:
         return None
     age = sh["heartbeat_age_s"]
     if not sh["alive"]:
-        return f"not running: stopped {_human_s(age)} ago before it was done"
+        return f"not running: stopped {human_s(age)} ago before it was done"
     if age is None or age > SHARD_STALE_S:
-        return f"stale: no heartbeat for {_human_s(age)} (its daemon is dead or hung)"
+        return f"stale: no heartbeat for {human_s(age)} (its daemon is dead or hung)"
     if sh["stage"] == "failed":
         return "failed: " + sh["reason"]
     if waits_for_operator(sh):
