@@ -185,7 +185,7 @@ def parse_header(head: bytes, file_size: int) -> DumpHeader:
                         f"[{t_count}, {3 * last.shape[1]}] {last.dtype}")
     _check_scales(tensors, t_count)
     if meta.get("tokens") != str(t_count):
-        raise DumpError(f"metadata says {_brief(meta.get('tokens'))} tokens, tensors hold "
+        raise DumpError(f"metadata says {str(meta.get('tokens'))[:40]} tokens, tensors hold "
                         f"{t_count}")
     contract = meta.get("contract", "")
     if not isinstance(contract, str):
