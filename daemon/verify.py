@@ -212,7 +212,7 @@ def _truncation(head: bytes, size: int) -> str | None:
     try:
         entries = json.loads(head[8:8 + n])
         end = max(t["data_offsets"][1] for k, t in entries.items() if k != "__metadata__")
-    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
         return None
     if isinstance(end, int) and 8 + n + end > size:
         return f"truncated: {size} bytes, the header describes {8 + n + end}"

