@@ -33,6 +33,9 @@ BINDING = ("format", "target", "target_fingerprint", "tokenizer_fingerprint",
            "hidden_size", "num_layers", "vocab_size")
 # The [generate] settings that decide what the target writes ([data] responses = "target").
 GENERATE = ("max_new_tokens", "max_turns", "temperature", "top_p", "seed")
+# And [generate] answers, recorded only above 1: a contract of one answer per conversation keeps
+# the fingerprint it had before answers existed, so its dumps stay valid.
+ANSWERS = "answers"
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -57,7 +60,10 @@ def generate_record(cfg: Config) -> dict[str, Any]:
     answers, the settings that decide what it writes; else nothing."""
     if cfg.data.responses != "target":
         return {}
-    return {"generate": {k: getattr(cfg.generate, k) for k in GENERATE}}
+    record = {k: getattr(cfg.generate, k) for k in GENERATE}
+    if cfg.generate.answers > 1:
+        record[ANSWERS] = cfg.generate.answers
+    return {"generate": record}
 
 
 def _binding(contract: dict[str, Any]) -> dict[str, Any]:
@@ -112,8 +118,17 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     pairs = {k: (a.get(k), b.get(k)) for k in BINDING}
     pairs["dump_dtype"] = (dump_dtype(a), dump_dtype(b))
     if a.get("generate") is not None:
-        pairs["generate"] = (a["generate"], b.get("generate"))
+        pairs.update(_generate_pairs(a["generate"], b.get("generate")))
     return [f"{k}: {x!r} -> {y!r}" for k, (x, y) in pairs.items() if x != y]
+
+
+def _generate_pairs(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """The recorded [generate] settings of two contracts side by side, one setting a pair (a
+    shard of another K names `generate.answers`), `answers` 1 where left out."""
+    if b is None:
+        return {"generate": (a, None)}
+    a, b = {ANSWERS: 1, **a}, {ANSWERS: 1, **b}
+    return {f"generate.{k}": (a.get(k), b.get(k)) for k in {**a, **b}}
 
 
 def config_problem(doc: dict[str, Any], cfg: Config, target_fingerprint: str) -> str | None:

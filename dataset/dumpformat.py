@@ -28,7 +28,8 @@ SAMPLE_ID = re.compile(r"[0-9a-f]{32}")
 DTYPE_NAMES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float8_e4m3fn": "F8_E4M3",
                "int32": "I32", "uint8": "U8"}
 DTYPE_SIZES = {"F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "I32": 4, "I64": 8, "U8": 1}
-# The tensors of a dump, in file order; readers name them through these constants.
+# The tensors of a dump, in the order write_dump lays them out (another writer may lay them out
+# in another: a reader takes each file's from its header); readers name them through these.
 INPUT_IDS, LOSS_MASK, AUX, LAST = "input_ids", "loss_mask", "aux_hidden_states", "last_hidden_state"
 TENSORS = (INPUT_IDS, LOSS_MASK, AUX, LAST)
 HIDDEN = (AUX, LAST)  # the floating-point ones

@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from eagle3d.target.layers import draft_config_layer_ids
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import DraftVocab
-from eagle3d.statemachine.atomic import fsync_dir
+from eagle3d.statemachine.atomic import fsync_dir, share_with_group
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
@@ -87,6 +87,8 @@ def export(model: Eagle3Drafter, vocab: DraftVocab, contract: dict[str, Any],
     tmp.mkdir(parents=True)
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     save_file(export_tensors(model, vocab), str(tmp / WEIGHTS), metadata={"format": "pt"})
+    share_with_group(tmp / WEIGHTS)  # safetensors writes it for its owner alone: SGLang's
+    # server, run by an operator of the service's group, reads it
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

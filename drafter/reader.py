@@ -106,7 +106,7 @@ class Slot:
     def _read(self, fds: list[int], paths: list[Path], headers: list[DumpHeader],
               trained: bool, answers_only: bool, evict: bool) -> StoredBatch:
         first = headers[0]
-        names = sorted(first.tensors, key=lambda name: first.tensors[name].begin)  # file order
+        names = list(first.tensors)
         row = {name: _row_bytes(first, name) for name in names}
         B, T = len(headers), max(h.tokens for h in headers)
         flat = dict(zip(names, self.carve([B * T * row[name] for name in names])))
@@ -121,8 +121,11 @@ class Slot:
             n, start = header.tokens, b * T
             for name in names:
                 arrays[name][(start + n) * row[name]:(start + T) * row[name]] = 0
+            # Each file's own order: the format lets a writer lay the tensors out in any order
+            # (safetensors' own sorts them by dtype), and its header says which.
+            in_file = sorted(names, key=lambda name: header.tensors[name].begin)
             read_fully(fd, [memoryview(arrays[name][start * row[name]:(start + n) * row[name]])
-                            for name in names], header.tensors[names[0]].begin, path)
+                            for name in in_file], header.tensors[in_file[0]].begin, path)
             if evict:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         typed = {name: flat[name].view(TORCH_DTYPES[first.tensors[name].dtype]).view(

@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from eagle3d.dataset import dumpformat
 from eagle3d.statemachine import layout
+from eagle3d.statemachine.atomic import share_with_group
 
 @dataclass(frozen=True)
 class DraftVocab:
@@ -63,6 +64,7 @@ def save(vocab: DraftVocab, folder: Path, fingerprint: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     save_file({"d2t": vocab.d2t.contiguous(), "t2d": vocab.t2d.contiguous()}, str(tmp),
               metadata={"manifest_fingerprint": fingerprint})
+    share_with_group(tmp)
     tmp.rename(path)
 
 

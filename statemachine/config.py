@@ -293,8 +293,12 @@ def write_in_force(cfg: Config) -> Path:
 
 def in_force_check(cfg: Config) -> list[str]:
     """The arguments by which a child of the daemon makes sure that the config in force it
-    reads is the one the daemon holds (entry.child_main checks them)."""
-    return [IN_FORCE_OPTION, digests.hex_digest(to_toml(cfg).encode())]
+    reads is the one the daemon holds (entry.child_main checks them): the daemon holds what it
+    wrote; eagle3ctl, the config in force it loaded, that file as it read it (the file's header
+    names the daemon's own config, which a config loaded from the file does not know)."""
+    in_force = layout.config_in_force(cfg.paths.state_dir)
+    held = in_force.read_bytes() if cfg.path == in_force else to_toml(cfg).encode()
+    return [IN_FORCE_OPTION, digests.hex_digest(held)]
 
 
 def check_in_force(path: Path, digest: str | None) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3d.statemachine import digests
+from eagle3d.statemachine.atomic import share_with_group
 
 log = logging.getLogger("eagle3d.target")
 
@@ -66,6 +67,8 @@ def converted_gguf(gguf: Path) -> Path | None:
             del model.config.quantization_config
         model.save_pretrained(staging)
         AutoTokenizer.from_pretrained(where, **kw).save_pretrained(staging)
+        share_with_group(staging)  # mkdtemp's and safetensors' modes: the target is served
+        # from here, by an operator of the service's group
         staging.rename(folder)
     except OSError:
         if not folder.is_dir():  # another process won the same conversion: use its folder

@@ -98,6 +98,22 @@ def config_factory(tmp_path):
             shutil.rmtree(spool, ignore_errors=True)
 
 
+@pytest.fixture
+def unit_umask():
+    """The process's umask as the unit sets it (systemd/eagle3d.service UMask=)."""
+    unit = [line.split("=")[1] for line in (REPO / "systemd" / "eagle3d.service")
+            .read_text().splitlines() if line.startswith("UMask=")]
+    before = os.umask(int(unit[0], 8))
+    yield
+    os.umask(before)
+
+
+def modes(root: Path) -> dict[str, str]:
+    """`ls -l`'s modes of a file, or of a folder and everything in it, by name."""
+    import stat
+    return {p.name: stat.filemode(p.stat().st_mode) for p in [root, *root.rglob("*")]}
+
+
 def venv_bin(name: str) -> str:
     import sys
     return os.path.join(os.path.dirname(sys.executable), name)

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.statefile import write_state
-from tests.conftest import venv_bin, write_conversations
+from tests.conftest import smollm_contract, venv_bin, write_conversations
 from tests.pipeline import stop_cleanly
 
 
@@ -170,6 +173,27 @@ def test_engine_command_names_each_process_that_runs_the_target(config_factory):
     assert lines[0] == "# the generate stage's generator"
     assert "eagle3d.capture.generator -c" in lines[1] and "config.toml --in-force " in lines[1]
     assert lines[2] == "# the extract stage's engine" and "eagle3d.capture.worker -c" in lines[3]
+
+
+@pytest.mark.slow
+def test_the_engine_command_eagle3ctl_prints_runs(config_factory):
+    """An operator can run what engine-command prints: its --in-force digest is the one the
+    child checks, so the transformers engine loads the target, says it is ready and ends with
+    its input."""
+    from eagle3d.daemon.reconcile import prepare_dirs
+    from eagle3d.dataset import contract
+    from eagle3d.statemachine.config import load_config, write_in_force
+    config = config_factory()
+    cfg = load_config(config)
+    prepare_dirs(cfg)
+    contract.write(cfg.paths.dataset_dir, smollm_contract(cfg))
+    write_in_force(cfg)
+    shown = ctl(config, "engine-command")
+    assert shown.returncode == 0, shown.stderr
+    engine = subprocess.run(shlex.split(shown.stdout), stdin=subprocess.DEVNULL,
+                            capture_output=True, text=True, timeout=300)
+    assert engine.returncode == 0, engine.stderr
+    assert json.loads(engine.stdout)["event"] == "ready"
 
 
 def test_eagle3ctl_shows_the_config_in_force_not_an_edit_the_daemon_refused(config_factory):

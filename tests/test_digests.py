@@ -13,11 +13,13 @@ from types import SimpleNamespace
 from typing import NamedTuple
 
 from eagle3d.capture import planner
-from eagle3d.dataset import dumpformat
+from eagle3d.dataset import contract, dumpformat
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import manifest, runs, shards, train_files
+from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
 from eagle3d.target import loading
+from tests.conftest import make_config
 
 MESSAGES = ({"role": "user", "content": "Grüß dich, wie geht's?"},
             {"role": "assistant", "content": "Gut, danke — und dir?"})
@@ -85,3 +87,17 @@ def test_the_manifest_and_weights_fingerprints_keep_their_values(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(bytes(range(256)) * 64)
     (tmp_path / "config.json").write_text('{"hidden_size": 8}')
     assert loading.fingerprint_file_or_folder(tmp_path) == "2348eb44ad3e0d09e5fcde851937959d"
+
+
+def test_a_capture_contracts_fingerprint_keeps_its_value_with_one_answer(tmp_path):
+    """Every dump carries its contract's fingerprint: recording [generate] answers (above 1
+    only) leaves the contracts of one answer per conversation as they were."""
+    base = {"format": dumpformat.FORMAT, "target": "m", "target_fingerprint": "f",
+            "layer_ids": [2, 15, 27], "dtype": "bfloat16", "hidden_size": 576, "num_layers": 30,
+            "vocab_size": 49152}
+    cfg = load_config(make_config(tmp_path, {"data": {"responses": "target"},
+                                             "generate": {"max_new_tokens": 512,
+                                                          "temperature": 0.7, "answers": 1}}))
+    assert contract.fingerprint(base) == "d2ebf4874409aac83556140784892b29"
+    assert contract.fingerprint({**base, **contract.generate_record(cfg)}) == \
+        "2f96977140e4f00ce27d5b233fa8a7a9"

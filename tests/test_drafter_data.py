@@ -5,7 +5,9 @@ a resume reading nothing before its place, host memory bounded whatever the data
 from __future__ import annotations
 
 import errno
+import json
 import random
+import struct
 import subprocess
 import sys
 import textwrap
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from drafter_fixtures import cached_dataset
 from eagle3d.dataset import dumpformat
@@ -196,6 +198,64 @@ def test_a_header_longer_than_one_read_is_read_whole(tmp_path):
     assert dumpformat.read_header(path).contract == "c" * dumpformat.HEAD
     batch, = as_read([path], [data.Planned((0,))])
     assert batch.input_ids.tolist() == [list(range(tokens))] and batch.tokens == tokens
+
+
+def _dump_tensors(seed: int, tokens: int, hidden: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {dumpformat.INPUT_IDS: torch.randint(1, 1000, (tokens,), generator=g, dtype=torch.int32),
+            dumpformat.LOSS_MASK: torch.randint(0, 2, (tokens,), generator=g, dtype=torch.uint8),
+            dumpformat.AUX: torch.randn(tokens, 3 * hidden, generator=g).bfloat16(),
+            dumpformat.LAST: torch.randn(tokens, hidden, generator=g).bfloat16()}
+
+
+def _stored(t: torch.Tensor) -> tuple[str, tuple[int, ...], bytes]:
+    """A tensor as write_dump takes it: safetensors dtype, shape, raw bytes."""
+    dtype = dumpformat.DTYPE_NAMES[str(t.dtype).removeprefix("torch.")]
+    return dtype, tuple(t.shape), t.view(torch.uint8).numpy().tobytes()
+
+
+def _metadata(sample_id: str, tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    return {"format": dumpformat.FORMAT, "sample_id": sample_id, "contract": "c",
+            "tokens": str(len(tensors[dumpformat.INPUT_IDS]))}
+
+
+def _write_last_first(path: Path, sample_id: str, tensors: dict[str, torch.Tensor]) -> None:
+    """A dump laid out last_hidden_state first and input_ids last, as a writer may."""
+    header: dict = {"__metadata__": _metadata(sample_id, tensors)}
+    offset, blobs = 0, []
+    for name in reversed(dumpformat.TENSORS):
+        dtype, shape, blob = _stored(tensors[name])
+        header[name] = {"dtype": dtype, "shape": list(shape),
+                        "data_offsets": [offset, offset + len(blob)]}
+        offset += len(blob)
+        blobs.append(blob)
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def _file_order(path: Path) -> list[str]:
+    tensors = dumpformat.read_header(path).tensors
+    return sorted(tensors, key=lambda name: tensors[name].begin)
+
+
+def test_dumps_whose_tensors_lie_in_other_orders_are_read_into_their_own_tensors(tmp_path):
+    """The format does not fix the tensors' order in a file: safetensors' own writer sorts them
+    by dtype (input_ids, the states, loss_mask), another writer may put last_hidden_state
+    first. Each dump of a batch, whichever comes first, is read as safetensors reads it."""
+    ids = [f"{k:032x}" for k in range(3)]
+    tensors = [_dump_tensors(k, tokens) for k, tokens in enumerate((7, 5, 9))]
+    paths = [dumpformat.write_dump(tmp_path, ids[0], "c",
+                                   {name: _stored(t) for name, t in tensors[0].items()}),
+             tmp_path / dumpformat.dump_name(ids[1]), tmp_path / dumpformat.dump_name(ids[2])]
+    save_file(tensors[1], str(paths[1]), metadata=_metadata(ids[1], tensors[1]))
+    _write_last_first(paths[2], ids[2], tensors[2])
+    assert len({tuple(_file_order(p)) for p in paths}) == 3
+    assert _file_order(paths[2])[0] == dumpformat.LAST
+    for indices in ((0, 1, 2), (2, 1, 0), (1, 0, 2)):
+        planned = data.Planned(indices)
+        batch, = as_read(paths, [planned])
+        assert_holds(batch, padded(paths, planned))
 
 
 MEMORY_PROBE = textwrap.dedent("""

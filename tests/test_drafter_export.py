@@ -7,9 +7,12 @@ import json
 import torch
 from safetensors import safe_open
 
+from eagle3d.drafter import vocab as vocab_mod
 from eagle3d.drafter.export import export, load_export
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import from_counts
+from eagle3d.statemachine import layout
+from tests.conftest import modes
 
 # SmolLM2-135M's shape: hidden 576, 9 heads of 64, 3 KV heads, MLP 1536, vocab 49152.
 CFG = DraftConfig(hidden_size=576, target_hidden_size=576, intermediate_size=1536,
@@ -99,3 +102,16 @@ def test_export_names_shapes_and_config_match_sglang(tmp_path):
         got = again.logits(again.unroll(ids, aux, 2)[1])
     assert torch.equal(vocab2.d2t, vocab.d2t)
     torch.testing.assert_close(got, want, atol=0.05, rtol=0.05)  # bf16 export
+
+
+def test_the_drafter_and_its_vocabulary_are_the_service_groups_to_read(tmp_path, unit_umask):
+    """Under the unit's UMask, an operator of the service's group (or SGLang's server run by
+    one) reads the export and the draft vocabulary; nobody else does. safetensors writes its
+    files for their owner alone."""
+    model = Eagle3Drafter(CFG, torch.zeros(49152, 576))
+    vocab = from_counts(torch.arange(49152), 1000)
+    out = export(model, vocab, CONTRACT, tmp_path / "export", 3)
+    assert modes(out) == {"export": "drwxr-x---", "config.json": "-rw-r-----",
+                          "model.safetensors": "-rw-r-----"}
+    vocab_mod.save(vocab, tmp_path, "fp")
+    assert modes(layout.vocab_file(tmp_path)) == {"vocab.safetensors": "-rw-r-----"}

@@ -295,6 +295,29 @@ def test_the_training_nodes_gate_fails_where_every_share_is_empty(tmp_path):
     assert ShardGate(cfg).observe(seen) == {}
 
 
+def test_the_training_nodes_gate_refuses_a_shard_of_another_answers_count_naming_it(tmp_path):
+    """[generate] answers is part of the contract: a shard whose target wrote two answers per
+    conversation cannot join a training node's dataset of one, and the refusal names the key."""
+    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.dataset import contract
+    from eagle3d.statemachine.ledger import Counts
+    from eagle3d.statemachine.stages import Seen
+    sections = {"data": {"shards": 2, "shard": 0, "responses": "target"},
+                "generate": {"temperature": 0.7}}
+    cfg = load_config(make_config(tmp_path, sections))
+    two = load_config(make_config(tmp_path, {**sections, "generate": {"temperature": 0.7,
+                                                                      "answers": 2}}, "two.toml"))
+    root = tmp_path / "dataset"
+    publish(root, 0, 2, **contract.generate_record(cfg))
+    contract.write(cfg.paths.dataset_dir, {**CONTRACT, **contract.generate_record(cfg),
+                                           "shard": {"index": 0, "count": 2}})
+    publish(root, 1, 2, **contract.generate_record(two))
+    seen = Seen(Counts({"verified": 3}, {}, {}), "fp")
+    assert ShardGate(cfg).observe(seen)["blocked"] == (
+        "refused shards: shard-1-of-2: captured under another contract than this node's "
+        "(generate.answers: 1 -> 2): it cannot join this training")
+
+
 def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_tick(tmp_path):
     """The gate joins at every tick: an unchanged set is read and joined once, and a manifest
     published again (here of the same size and mtime, as a quick rewrite can be) at once."""
