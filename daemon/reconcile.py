@@ -30,7 +30,7 @@ from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
-from eagle3d.statemachine import entry, layout, pointer, runs, stages
+from eagle3d.statemachine import daemon_lock, entry, layout, pointer, runs, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
 from eagle3d.statemachine.config import (STOP_BUDGET_S, Config, ConfigError, daemon_problem,
                                           load_config, reload_problem, write_in_force)
@@ -72,6 +72,8 @@ class Daemon:
         self.until = until
         self.engine_factory = engine_factory
         prepare_dirs(cfg)
+        # Before anything that acts on the folder: ending orphans, the config in force, the ledger.
+        self.lock = daemon_lock.hold(cfg.paths.state_dir)
         # Every run's children have their pid files here, so that a daemon restarted on another
         # run still ends the orphans of the run it crashed in.
         self.pid_dir = layout.children_dir(cfg.paths.state_dir)
@@ -196,6 +198,7 @@ class Daemon:
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
         pointer.remove(self.cfg.path)
+        self.lock.close()
 
     def stop_stages(self, deadline: float, why: str) -> None:
         """Every stage's children ended within their graces, last stage first (the trainer's
@@ -331,7 +334,7 @@ class Daemon:
 def run(config_path: str, until: str | None) -> int:
     try:
         daemon = Daemon(load_config(config_path), until)
-    except ConfigError as exc:
+    except (ConfigError, daemon_lock.Held) as exc:
         log.error("%s", exc)
         return entry.REFUSED
     return daemon.run()
