@@ -3,16 +3,45 @@ another account on the machine can and cannot do to a running service."""
 
 from __future__ import annotations
 
+import os
+import pwd
 import socket
 import subprocess
+from typing import NamedTuple
 
 import psutil
+import pytest
 
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import venv_bin
 from tests.pipeline import DaemonProcess, ctl, messages_config
+
+INTRUDER = "eagle3d-intruder"
+USERADD_EXISTS = 9  # useradd's status for a name taken (another test made it first)
+
+
+class Intruder(NamedTuple):
+    """A real unprivileged local user, as on a shared server: its own uid, no groups."""
+    uid: int
+    gid: int
+
+    def run(self, argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}",
+                               "--clear-groups", *argv], capture_output=True, text=True,
+                              timeout=60)
+
+
+@pytest.fixture
+def intruder() -> Intruder:
+    if os.geteuid() != 0:
+        pytest.skip("acting as another local user needs root")
+    made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                           "/usr/sbin/nologin", INTRUDER], capture_output=True, text=True)
+    assert made.returncode in (0, USERADD_EXISTS), made.stderr
+    entry = pwd.getpwnam(INTRUDER)
+    return Intruder(entry.pw_uid, entry.pw_gid)
 
 
 def test_a_second_daemon_on_the_same_state_folder_is_refused_naming_the_first(
@@ -40,3 +69,35 @@ def test_a_second_daemon_on_the_same_state_folder_is_refused_naming_the_first(
     with Ledger(layout.ledger(state), readonly=True) as ledger:
         assert len(ledger.events_of(("daemon_started",))) == 1
         assert not ledger.events_of(("orphans_ended",))
+
+
+def test_sglang_answers_a_local_user_without_the_start_key_with_401_only(
+        tmp_path, monkeypatch, intruder):
+    """Any local user reaches the server's loopback port: without this start's API key every
+    endpoint but /health answers 401, so no one swaps the weights, aborts or pauses. The key
+    is in no command line the user can read, and the server's environment is closed to them;
+    the daemon's own client gets through with it."""
+    from eagle3d.capture.sglang_client import check_serves
+    from tests.test_sglang_engine import engine, wait
+    monkeypatch.setenv("FAKE_SGLANG", "ok")
+    eng = engine(tmp_path)
+    try:
+        wait(eng, 60)
+        assert eng.ready, eng.problem
+        url = eng.client.base_url
+
+        def code(path: str, *curl: str) -> str:
+            return intruder.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                 *curl, url + path]).stdout
+        assert code("/health") == "200"
+        assert code("/get_model_info") == "401"
+        assert code("/generate", "-d", '{"input_ids": [1, 2], "sampling_params": '
+                    '{"max_new_tokens": 0}}') == "401"
+        assert code("/update_weights_from_disk", "-d", '{"model_path": "/tmp/x"}') == "401"
+        key = eng.client.api_key
+        check_serves(url, str(tmp_path / "model"), key)
+        shown = intruder.run(["cat", f"/proc/{eng.pid}/cmdline"])
+        assert shown.returncode == 0 and "sglang" in shown.stdout and key not in shown.stdout
+        assert intruder.run(["cat", f"/proc/{eng.pid}/environ"]).returncode != 0
+    finally:
+        eng.stop(5)
