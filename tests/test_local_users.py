@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import pwd
+import shutil
 import socket
 import subprocess
+from pathlib import Path
 from typing import NamedTuple
 
 import psutil
@@ -17,6 +19,7 @@ from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import venv_bin
 from tests.pipeline import DaemonProcess, ctl, messages_config
+from tests.test_ingest import env  # noqa: F401 (a fixture)
 
 INTRUDER = "eagle3d-intruder"
 USERADD_EXISTS = 9  # useradd's status for a name taken (another test made it first)
@@ -101,3 +104,57 @@ def test_sglang_answers_a_local_user_without_the_start_key_with_401_only(
         assert intruder.run(["cat", f"/proc/{eng.pid}/environ"]).returncode != 0
     finally:
         eng.stop(5)
+
+
+def test_a_dump_another_user_put_in_the_spool_is_rejected_without_charging_the_sample(
+        env, tmp_path, intruder):
+    """A well-formed dump of a planned sample, written by another local user and slipped into
+    the spool: rejected with its owner named, never ingested, and the sample keeps its attempts
+    (the engine did nothing wrong)."""
+    from tests.test_ingest import reason_of, write
+    ing, ledger, spool, samples = env
+    s = samples[0]
+    staging = Path("/dev/shm") / f"eagle3d-intruder-{os.getpid()}"
+    staging.mkdir(mode=0o755)
+    try:
+        genuine = write(staging, s.id, s.input_ids)
+        genuine.chmod(0o644)
+        os.chown(staging, intruder.uid, intruder.gid)
+        copied = intruder.run(["cp", str(genuine), str(staging / "planted")])
+        assert copied.returncode == 0, copied.stderr
+        # Into the spool, as a looser spool would have let them.
+        os.replace(staging / "planted", spool / genuine.name)
+    finally:
+        shutil.rmtree(staging)
+    before = ledger.sample(s.id)
+    out = ing.ingest(genuine.name)
+    assert out.kind == "rejected", out
+    assert f"owned by {INTRUDER} (uid {intruder.uid}), not the service's user" in out.detail
+    assert INTRUDER in reason_of(spool, genuine.name)
+    after = ledger.sample(s.id)
+    assert after.status == before.status == "inflight" and after.attempts == before.attempts
+    assert not (ing.dataset_dir / "shard-00000").exists()
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_spool_folder_another_user_made_first_is_refused_naming_its_owner(
+        config_factory, tmp_path, intruder, shards):
+    """The "create the spool's name first" attack: the daemon exits 2 (no restart loop) naming
+    the folder and its owner, and creates nothing in it. With shards the intruder's folder is
+    the root above the shard's spool: it is checked like the spool itself."""
+    sections = {"data": {"shards": 2, "shard": 1}} if shards > 1 else {}
+    config = config_factory(sections)
+    spool = Path(load_config(config).paths.spool_dir)
+    root = spool.parent if shards > 1 else spool
+    made = intruder.run(["mkdir", "-m", "0755", str(root)])
+    assert made.returncode == 0, made.stderr
+    try:
+        run = subprocess.run([venv_bin("eagle3d"), "run", "-c", str(config), "--until", "plan"],
+                             capture_output=True, text=True, timeout=120)
+        out = run.stdout + run.stderr
+        assert run.returncode == 2, out
+        assert str(root) in out and f"{INTRUDER} (uid {intruder.uid})" in out, out
+        assert "Traceback" not in out
+        assert list(root.iterdir()) == []
+    finally:
+        shutil.rmtree(root)
