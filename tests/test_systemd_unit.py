@@ -137,6 +137,17 @@ def test_the_spool_is_the_services_before_the_daemon_starts_whoever_made_it_firs
         shutil.rmtree(taken)
 
 
+def test_a_single_node_unit_takes_no_packet_from_another_machine():
+    """torchrun's agent listens on every interface whatever its flags (measured with --standalone
+    on torch 2.13: two TCPStore ports on *), so the unit keeps the network out; operations.md
+    gives the drop-in that lets a multi-node cluster in, as systemd reads drop-ins."""
+    svc = directives(UNIT)["Service"]
+    assert svc["IPAddressDeny"] == ["any"] and svc["IPAddressAllow"] == ["localhost"]
+    docs = (REPO / "docs" / "operations.md").read_text()
+    assert "## Shared servers" in docs
+    assert "[Service]\nIPAddressAllow=10.0.0.0/8" in docs
+
+
 def make(target: str, destdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", target, f"DESTDIR={destdir}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=True)
