@@ -42,7 +42,8 @@ CAPTURE_FLAGS = ["--disable-radix-cache", "--chunked-prefill-size", "-1",
 # What extra_args may not name: capture-critical settings, those taken from the config, the
 # server's API keys (eagle3d's own, per start), and layouts in which one request's rows are not
 # whole on tensor-parallel rank 0.
-RESERVED = ("--api-key", "--admin-api-key", "--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--tp", "--dtype",
+RESERVED = ("--api-key", "--admin-api-key",
+            "--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--tp", "--dtype",
             "--host", "--port", "--mem-fraction-static", "--max-prefill-tokens",
             "--disable-radix-cache", "--chunked-prefill-size", "--cuda-graph-backend-prefill",
             "--cuda-graph-backend-decode", "--disable-cuda-graph", "--enable-piecewise-cuda-graph",
