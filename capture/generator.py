@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import time
@@ -34,6 +35,7 @@ import torch
 
 from eagle3d.capture import sglang_client
 from eagle3d.capture.planner import END_MARGIN, plan_batch, room_for_answer
+from eagle3d.capture.sglang_serve import API_KEY_ENV
 from eagle3d.dataset import contract
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.target import identity, loading
@@ -93,8 +95,9 @@ class SGLangDecoder:
     for the prompts given, each with its own room and seed (the generator gives it one
     conversation's turn at a time, from many threads)."""
 
-    def __init__(self, base_url: str, eos: set[int], settings: GenerateConfig) -> None:
-        self.base_url, self.eos, self.settings = base_url, eos, settings
+    def __init__(self, base_url: str, api_key: str, eos: set[int],
+                 settings: GenerateConfig) -> None:
+        self.base_url, self.api_key, self.eos, self.settings = base_url, api_key, eos, settings
 
     def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
         greedy = self.settings.temperature <= 0
@@ -103,7 +106,7 @@ class SGLangDecoder:
                      "top_p": 1.0 if greedy else self.settings.top_p,
                      **({} if greedy else {"sampling_seed": seed + i})}
                     for i, room in enumerate(rooms)]
-        return sglang_client.generate(self.base_url, prompts, sampling)
+        return sglang_client.generate(self.base_url, self.api_key, prompts, sampling)
 
 
 @dataclass
@@ -233,9 +236,12 @@ def _decoder(cfg: Config, tokenizer: Any) -> tuple[Decoder, set[int]]:
                               f"within [sglang] startup_timeout_s = "
                               f"{cfg.sglang.startup_timeout_s:.0f} s; see the daemon's log")
             time.sleep(sglang_client.HEALTH_EVERY_S)
+        # The server's API key, from the daemon that started it (the environment: no other user
+        # reads it there).
+        key = os.environ.get(API_KEY_ENV, "")
         # The weights of this path were checked against the contract at the start.
-        sglang_client.check_serves(url, str(cfg.target.model_path))
-        return SGLangDecoder(url, eos, cfg.generate), eos
+        sglang_client.check_serves(url, str(cfg.target.model_path), key)
+        return SGLangDecoder(url, key, eos, cfg.generate), eos
     # The configured dtype on a CPU too: the target that writes the answers is the one extract
     # captures, and a CPU with bfloat16 units (AVX512-BF16, AMX) writes about twice as fast.
     model = loading.load_model(cfg.target.model_path, cfg.target.dtype, cfg.target.device)

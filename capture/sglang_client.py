@@ -46,13 +46,25 @@ def healthy(base_url: str, timeout: float) -> bool:
         return False
 
 
-def check_serves(base_url: str, model_path: str) -> None:
+def _request(base_url: str, path: str, api_key: str,
+             body: dict[str, Any] | None = None) -> urllib.request.Request:
+    """A request to the server, with the start's API key (sglang_serve.API_KEY_ENV): the server
+    refuses every other caller."""
+    headers = {"Authorization": f"Bearer {api_key}"}
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    return urllib.request.Request(base_url.rstrip("/") + path, headers=headers,
+                                  data=None if body is None else json.dumps(body).encode(),
+                                  method="GET" if body is None else "POST")
+
+
+def check_serves(base_url: str, model_path: str, api_key: str) -> None:
     """Refuse (ContractMismatch) a server that says it loaded another model than `model_path`,
     whose weights the caller checked against the capture contract: SGLang's /get_model_info
     names the path it loaded. A server that does not answer it is refused too."""
     from eagle3d.statemachine.entry import ContractMismatch
     try:
-        with _OPENER.open(base_url.rstrip("/") + "/get_model_info",
+        with _OPENER.open(_request(base_url, "/get_model_info", api_key),
                           timeout=HEALTH_TIMEOUT_S) as response:
             served = json.loads(response.read()).get("model_path")
     except (OSError, ValueError, AttributeError) as exc:
@@ -68,38 +80,39 @@ class SGLangRefused(OSError):
     """SGLang answered with an HTTP error; the message carries its status and its words."""
 
 
-def _post_generate(base_url: str, body: dict[str, Any]) -> Any:
+def _post_generate(base_url: str, body: dict[str, Any], api_key: str) -> Any:
     """POST /generate; its JSON answer. Raises SGLangRefused for an HTTP error, OSError or
     ValueError when there is no usable answer."""
-    request = urllib.request.Request(base_url.rstrip("/") + "/generate",
-                                     data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
     try:
-        with _OPENER.open(request, timeout=REQUEST_TIMEOUT_S) as response:
+        with _OPENER.open(_request(base_url, "/generate", api_key, body),
+                          timeout=REQUEST_TIMEOUT_S) as response:
             return json.loads(response.read() or b"{}")
     except urllib.error.HTTPError as exc:
         detail = exc.read()[:500].decode("utf-8", "replace").strip()
         raise SGLangRefused(f"SGLang answered HTTP {exc.code}: {detail or exc.reason}") from None
 
 
-def generate(base_url: str, prompts: list[list[int]],
+def generate(base_url: str, api_key: str, prompts: list[list[int]],
              sampling: list[dict[str, Any]]) -> list[list[int]]:
     """The new token ids of each prompt, decoded by the server in one batched request (SGLang
     schedules its members independently). Raises OSError when the server does not answer."""
     answers = _post_generate(base_url, {"input_ids": prompts, "sampling_params": sampling,
-                                        "stream": False})
+                                        "stream": False}, api_key)
     if not isinstance(answers, list) or len(answers) != len(prompts):
         raise OSError(f"SGLang answered {len(prompts)} prompts with {answers!r:.200}")
     return [list(answer["output_ids"]) for answer in answers]
 
 
 class SGLangClient:
-    def __init__(self, base_url: str, max_concurrency: int, request_key: str = "") -> None:
-        """`request_key`: the capturing server's (sglang_plugin.ENV_REQUEST_KEY), which each
-        request id carries; events name the samples without it."""
+    def __init__(self, base_url: str, max_concurrency: int, api_key: str,
+                 request_key: str = "") -> None:
+        """`api_key`: the server start's (sglang_serve.API_KEY_ENV). `request_key`: the
+        capturing server's (sglang_plugin.ENV_REQUEST_KEY), which each request id carries;
+        events name the samples without it."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
         self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
         self.request_key = request_key
         self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-request")
         self._events: queue.Queue[dict] = queue.Queue()
@@ -130,7 +143,7 @@ class SGLangClient:
         try:
             answer = _post_generate(self.base_url, {
                 "input_ids": ids, "rid": request_id(self.request_key, sid), "stream": False,
-                "sampling_params": {"max_new_tokens": 0}})
+                "sampling_params": {"max_new_tokens": 0}}, self.api_key)
         except SGLangRefused as exc:
             self._error(sid, str(exc))
             return

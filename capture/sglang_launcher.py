@@ -17,6 +17,7 @@ import subprocess
 from typing import Any
 
 from eagle3d.capture.sglang_plugin import (ENTRY_POINT_GROUP, PLUGIN_NAME, CaptureSettings)
+from eagle3d.capture.sglang_serve import API_KEY_ENV
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config
@@ -38,9 +39,11 @@ SUPPORTED = "sglang>=0.5.14,<0.5.24"
 CAPTURE_FLAGS = ["--disable-radix-cache", "--chunked-prefill-size", "-1",
                  "--cuda-graph-backend-prefill", "disabled",
                  "--cuda-graph-backend-decode", "disabled", "--skip-server-warmup"]
-# What extra_args may not name: capture-critical settings, those taken from the config, and
-# layouts in which one request's rows are not whole on tensor-parallel rank 0.
-RESERVED = ("--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--tp", "--dtype",
+# What extra_args may not name: capture-critical settings, those taken from the config, the
+# server's API keys (eagle3d's own, per start), and layouts in which one request's rows are not
+# whole on tensor-parallel rank 0.
+RESERVED = ("--api-key", "--admin-api-key",
+            "--model-path", "--model", "--tp-size", "--tensor-parallel-size", "--tp", "--dtype",
             "--host", "--port", "--mem-fraction-static", "--max-prefill-tokens",
             "--disable-radix-cache", "--chunked-prefill-size", "--cuda-graph-backend-prefill",
             "--cuda-graph-backend-decode", "--disable-cuda-graph", "--enable-piecewise-cuda-graph",
@@ -64,13 +67,14 @@ def _reserved_flag(arg: str) -> str | None:
 
 def _server_argv(cfg: Config, dtype: str, own: list[str]) -> list[str]:
     """What both of eagle3d's servers take from the config, computing in `dtype`, then `own`
-    flags, then the operator's extra_args."""
+    flags, then the operator's extra_args. SGLang starts through sglang_serve, which adds the
+    start's API key (_server_env) to these out of sight of other users."""
     for arg in cfg.sglang.extra_args:
         flag = _reserved_flag(arg)
         if flag:
             raise ValueError(f"{cfg.path}: [sglang.extra_args] {flag} is set by eagle3d for "
                              "capture to be correct; remove it")
-    return [cfg.sglang.python, "-m", "sglang.launch_server",
+    return [cfg.sglang.python, "-m", "eagle3d.capture.sglang_serve",
             "--model-path", str(cfg.target.model_path),
             "--tp-size", str(cfg.sglang.tp),
             "--dtype", dtype,
@@ -81,8 +85,8 @@ def _server_argv(cfg: Config, dtype: str, own: list[str]) -> list[str]:
 def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
     """The capturing server's argv and the environment to add to the daemon's for it. It
     computes in the contract's dtype, whatever the config says now. The environment carries a
-    new start token each call, which the ready file of this start carries back, and a new
-    request key, which only the daemon's requests carry."""
+    new start token each call, which the ready file of this start carries back, a new
+    request key, which only the daemon's requests carry, and the start's API key."""
     argv = _server_argv(cfg, contract["dtype"], [
         # One forward batch is copied to host memory whole: bound it like the other engine
         # does, but never below the longest sample, which must fit in one prefill.
@@ -94,12 +98,21 @@ def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], di
                                dump_dtype=capture_contract.dump_dtype(contract),
                                token=secrets.token_hex(8),
                                request_key=secrets.token_hex(16))
-    env = {**settings.to_env(), **SERVER_ENV}
+    env = settings.to_env()
     allowed = os.environ.get("SGLANG_PLUGINS", "")
     if allowed.strip():
         # SGLang loads only the plugins this names when it is set.
         env["SGLANG_PLUGINS"] = f"{allowed},{PLUGIN_NAME}"
-    return argv, env
+    return argv, {**env, **_server_env()}
+
+
+def _server_env() -> dict[str, str]:
+    """What both servers take in their environment: SGLang's settings and a new API key per
+    start. Every loopback port is open to every local user: without the key, a request is
+    refused (401) on every endpoint but /health and /metrics. --admin-api-key is left unset on
+    purpose: SGLang then refuses its admin-only endpoints (weight updates) to everyone, and the
+    daemon needs none of them."""
+    return {**SERVER_ENV, API_KEY_ENV: secrets.token_urlsafe(32)}
 
 
 def generation_command(cfg: Config) -> tuple[list[str], dict[str, str]]:
@@ -107,7 +120,7 @@ def generation_command(cfg: Config) -> tuple[list[str], dict[str, str]]:
     decode graphs on. No capture settings in its environment, so the plugin stays inert in it:
     a server never both generates and captures (capture needs the flags above, and a request it
     captures must be a prefill of a finished conversation)."""
-    return _server_argv(cfg, cfg.target.dtype, []), dict(SERVER_ENV)
+    return _server_argv(cfg, cfg.target.dtype, []), _server_env()
 
 
 def shell_line(argv: list[str], env: dict[str, str]) -> str:

@@ -31,6 +31,7 @@ from eagle3d.target import loading
 from eagle3d.capture.sglang_client import SGLangClient, Startup
 from eagle3d.capture.sglang_launcher import check_version, launch_command, shell_line
 from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN
+from eagle3d.capture.sglang_serve import API_KEY_ENV
 from eagle3d.statemachine.config import (DUMP_DTYPES, Config, DataConfig, PathsConfig,
                                          SGLangConfig, TargetConfig)
 from eagle3d.statemachine import layout
@@ -65,7 +66,7 @@ def serving(cfg: Config, contract: dict, startup_timeout: float) -> Iterator[SGL
     print("engine command:", shell_line(argv, env), flush=True)
     server = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
     client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}", 64,
-                          env[ENV_REQUEST_KEY])
+                          env[API_KEY_ENV], env[ENV_REQUEST_KEY])
     startup = Startup(client, cfg.paths.spool_dir, env[ENV_TOKEN], contract, cfg.sglang.tp,
                       startup_timeout, exited=lambda: server.poll() is not None)
     try:

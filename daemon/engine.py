@@ -120,6 +120,7 @@ class SGLangEngine:
         from eagle3d.capture.sglang_client import SGLangClient, Startup
         from eagle3d.capture.sglang_launcher import launch_command, launch_problem
         from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN
+        from eagle3d.capture.sglang_serve import API_KEY_ENV
         problem = launch_problem(cfg)
         if problem:
             raise EngineUnavailable(problem)
@@ -129,7 +130,8 @@ class SGLangEngine:
             raise EngineUnavailable(f"[sglang] {exc}") from None
         self.child = Child("engine", argv, pid_dir, env=env)
         self.client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}",
-                                   cfg.extract.max_inflight_samples, env[ENV_REQUEST_KEY])
+                                   cfg.extract.max_inflight_samples, env[API_KEY_ENV],
+                                   env[ENV_REQUEST_KEY])
         self.ready = False
         self.spool = cfg.paths.spool_dir
         self._redirected: dict[str, Path] = {}  # sample id → folder its dump is wanted in

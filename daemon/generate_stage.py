@@ -78,9 +78,13 @@ class GenerateStage:
             self._exited(*ended)
         if decision.stage != Stage.GENERATE or not self.supervisor.may_start:
             return
-        if self.cfg.target.engine == "sglang" and not self._start_server():
-            return
-        self.child = Child("generator", generator_argv(self.cfg), self.pid_dir)
+        key: dict[str, str] = {}
+        if self.cfg.target.engine == "sglang":
+            started = self._start_server()
+            if started is None:
+                return
+            key = started
+        self.child = Child("generator", generator_argv(self.cfg), self.pid_dir, env=key)
 
     def _round_end(self, decision: Decision) -> tuple[int | None, str] | None:
         """How the running round (generator and server) ends, or None while it goes on: the
@@ -99,8 +103,11 @@ class GenerateStage:
             return entry.OK, "generation is over"
         return None
 
-    def _start_server(self) -> bool:
+    def _start_server(self) -> dict[str, str] | None:
+        """Start the generation server; the environment that gives the generator its API key,
+        or None where it cannot start (the stage is then failed with the reason)."""
         from eagle3d.capture.sglang_launcher import generation_command, launch_problem
+        from eagle3d.capture.sglang_serve import API_KEY_ENV
         problem = launch_problem(self.cfg)
         if problem is None:
             try:
@@ -109,9 +116,9 @@ class GenerateStage:
                 problem = f"[sglang] {exc}"
         if problem is not None:
             self.supervisor.terminal(problem)
-            return False
+            return None
         self.server = Child("generation-server", argv, self.pid_dir, env=env)
-        return True
+        return {API_KEY_ENV: env[API_KEY_ENV]}
 
     def _end_round(self, grace: float) -> None:
         """The generator and its server stop side by side: one grace for both, not one each."""

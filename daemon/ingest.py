@@ -26,7 +26,7 @@ from eagle3d.dataset.dumpformat import DumpError
 from eagle3d.daemon import checksum
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.verify import Expected, scan
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import layout, safepath
 from eagle3d.statemachine.ledger import Ledger
 
 log = logging.getLogger("eagle3d")
@@ -74,6 +74,9 @@ class Ingestor:
             return Outcome("ignored", None, "gone")
         if not stat.S_ISREG(st.st_mode):
             return self._reject(path, None, "not a regular file (symlink, FIFO or folder)")
+        if st.st_uid != os.geteuid():  # the engine runs as the daemon's user: nobody else writes
+            return self._reject(path, None, f"owned by {safepath.user_name(st.st_uid)}, not the "
+                                "service's user: another user put it in the spool")
         sid = name[:-len(dumpformat.SUFFIX)] if name.endswith(dumpformat.SUFFIX) else ""
         if not dumpformat.SAMPLE_ID.fullmatch(sid):
             return self._reject(path, None, f"file name {name!r} is not <sample id>.safetensors")

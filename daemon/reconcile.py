@@ -34,7 +34,7 @@ from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
-from eagle3d.statemachine import entry, layout, pointer, runs, stages
+from eagle3d.statemachine import daemon_lock, entry, layout, pointer, runs, safepath, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
 from eagle3d.statemachine.config import (NEEDS_RESTART, REFUSED, STOP_BUDGET_S, Config,
                                           ConfigError, daemon_problem, load_config,
@@ -59,21 +59,30 @@ class Switching(NamedTuple):
 
 
 def prepare_dirs(cfg: Config) -> None:
-    """Create the folders with no world access, and refuse ones that others can write: a
-    group or world member could plant a dump, a pid file or a control request."""
+    """Create the folders with no world access, and refuse ones that others can write, or that
+    lie in a folder another user could swap them in (a shard's or a run's folder is checked up
+    through its root): a group or world member could plant a dump, a pid file or a control
+    request, or have the daemon delete in a folder of their choosing."""
     state = cfg.paths.state_dir
     for path, mode in ((state, 0o750), (layout.children_dir(state), 0o700),
                        (layout.control_dir(state), 0o700), (cfg.paths.spool_dir, 0o700),
                        (cfg.paths.dataset_dir, 0o750), (cfg.paths.train_dir, 0o750)):
-        path.mkdir(parents=True, exist_ok=True, mode=mode)
-        st = path.lstat()
+        problem = safepath.ancestor_problem(path)
+        if problem:
+            raise ConfigError(problem)
+        try:
+            path.mkdir(parents=True, exist_ok=True, mode=mode)
+            st = path.lstat()
+        except OSError as exc:
+            raise ConfigError(f"cannot create {path}: {exc.strerror}") from None
         if path.is_symlink():
             raise ConfigError(f"{path} is a symlink; eagle3d does not follow links in its folders")
         if st.st_mode & 0o022:
             raise ConfigError(f"{path} is writable by its group or by everyone; run "
                               f"chmod go-w {path}")
-        if st.st_uid not in (os.geteuid(), 0):
-            raise ConfigError(f"{path} belongs to uid {st.st_uid}, not the daemon's user")
+        if not safepath.trusted_owner(st.st_uid):
+            raise ConfigError(f"{path} belongs to {safepath.user_name(st.st_uid)}, not the "
+                              f"daemon's user: remove it, or point [paths] elsewhere")
 
 
 class Daemon:
@@ -86,6 +95,8 @@ class Daemon:
         self.until = until
         self.engine_factory = engine_factory
         prepare_dirs(cfg)
+        # Before anything that acts on the folder: ending orphans, the config in force, the ledger.
+        self.lock = daemon_lock.hold(cfg.paths.state_dir)
         # Every run's children have their pid files here, so that a daemon restarted on another
         # run still ends the orphans of the run it crashed in.
         self.pid_dir = layout.children_dir(cfg.paths.state_dir)
@@ -229,6 +240,7 @@ class Daemon:
         self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
         pointer.remove(self.cfg.path)
+        self.lock.close()
 
     def stop_stages(self, deadline: float, why: str) -> None:
         """Every stage's children ended within their graces, last stage first (the trainer's
@@ -405,7 +417,7 @@ class Daemon:
 def run(config_path: str, until: str | None) -> int:
     try:
         daemon = Daemon(load_config(config_path), until)
-    except ConfigError as exc:
+    except (ConfigError, daemon_lock.Held) as exc:
         log.error("%s", exc)
         return entry.REFUSED
     return daemon.run()

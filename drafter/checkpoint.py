@@ -3,8 +3,9 @@ renamed, so a kill at any moment leaves only whole checkpoints. The last KEEP ar
 
 from __future__ import annotations
 
-import os
 import logging
+import os
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -65,7 +66,14 @@ def latest(folder: Path, fingerprint: str, draft_config: dict[str, Any],
     if not complete:
         return None
     path = complete[-1]
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    try:
+        # Tensors and plain values only: a full unpickle would run whatever code the file names,
+        # as the trainer's user.
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        log.warning("checkpoint %s holds more than tensors and plain values, so it is not "
+                    "loaded (%s); starting over", path, str(exc).splitlines()[0])
+        return None
     for key, what, now in (("manifest_fingerprint", "from another dataset manifest", fingerprint),
                            ("draft_config", "for a drafter of another shape", draft_config),
                            ("schedule", "under other [train] settings", schedule(train))):

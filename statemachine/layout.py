@@ -31,6 +31,12 @@ def config_in_force(state_dir: Path) -> Path:
     return Path(state_dir) / "config.toml"
 
 
+def daemon_lock(state_root: Path) -> Path:
+    """Held by the one daemon of this state folder for its whole life; says which process that
+    is (statemachine/daemon_lock.py)."""
+    return Path(state_root) / "daemon.lock"
+
+
 def children_dir(state_dir: Path) -> Path:
     """A pid file per child, to find orphans after a crash (daemon/children.py)."""
     return Path(state_dir) / "children"
@@ -199,6 +205,6 @@ def run_folder(root: Path, run_id: str) -> Path:
 
 # The names in a configured root that are not the in-place run's own: forgetting that run
 # keeps them. Taken from the functions that name them, so a rename cannot slip past `forget`.
-ROOT_SHARED = tuple(f(Path()).name for f in (runs_registry, runs_lock, operator_pause,
+ROOT_SHARED = tuple(f(Path()).name for f in (runs_registry, runs_lock, daemon_lock, operator_pause,
                                               children_dir)) + (
     run_folder(Path(), "-").parent.name,)

@@ -4,6 +4,7 @@
 #   /etc/eagle3d/eagle3d.toml           the config, from etc/eagle3d.toml; an existing one is
 #                                       never overwritten (the new template goes beside it, .new)
 #   /etc/systemd/system/eagle3d.service the unit
+#   /etc/tmpfiles.d/eagle3d.conf        the spool /dev/shm/eagle3d, the service's before anyone's
 #   /data/eagle3d/{dataset,train}       the folders the unit lets the service write
 #   /usr/local/bin/eagle3ctl            the status tool, linked from the venv
 #   user and group eagle3d              the service's own, with the GPU device groups
@@ -67,12 +68,17 @@ done
 
 install -D -m 0644 "$SRC/docs/operations.md" "$DESTDIR$VENV/share/doc/eagle3d/operations.md"
 install -D -m 0644 "$SRC/systemd/eagle3d.service" "$DESTDIR/etc/systemd/system/eagle3d.service"
+install -D -m 0644 "$SRC/systemd/eagle3d-tmpfiles.conf" "$DESTDIR/etc/tmpfiles.d/eagle3d.conf"
 # eagle3ctl on the operators' PATH; the daemon itself is started by the unit only.
 install -d "$DESTDIR/usr/local/bin"
 ln -sfn "$VENV/bin/eagle3ctl" "$DESTDIR/usr/local/bin/eagle3ctl"
 
 if ! staging && [[ -d /run/systemd/system ]]; then
     systemctl daemon-reload
+fi
+if ! staging; then
+    # The spool now, not at the next boot: a local user cannot take the name meanwhile.
+    systemd-tmpfiles --create /etc/tmpfiles.d/eagle3d.conf
 fi
 echo "eagle3d installed. New install: edit $CONFIG_DIR/eagle3d.toml, then"
 echo "  systemctl enable --now eagle3d"

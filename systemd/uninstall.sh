@@ -18,6 +18,7 @@ if [[ -z $DESTDIR && -d /run/systemd/system ]]; then
     systemctl disable --now eagle3d.service || true
 fi
 rm -f "$DESTDIR/etc/systemd/system/eagle3d.service"
+rm -f "$DESTDIR/etc/tmpfiles.d/eagle3d.conf"
 rm -f "$DESTDIR/usr/local/bin/eagle3ctl"
 rm -rf "$DESTDIR/opt/eagle3d"
 # The spool of the production config: dumps not yet ingested, which the ledger has put back to

@@ -146,6 +146,33 @@ def test_a_checkpoint_of_an_earlier_weight_layout_is_not_resumed(tmp_path, caplo
     assert checkpoint.latest(tmp_path, "m", shape, now, train)["model"].keys() == now.keys()
 
 
+class _Planted:
+    """What a hostile checkpoint holds: an object whose unpickling runs a command."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, caplog):
+    """A checkpoint is loaded as tensors and plain values only: one that names code to run
+    when unpickled is not resumed (training starts over and says why), and the code never ran."""
+    import torch
+    from eagle3d.drafter import checkpoint
+    shape, train = {"draft": 1}, TrainConfig()
+    now = {"fc.weight": torch.zeros(2, 2)}
+    marker = tmp_path / "ran"
+    checkpoint.save(tmp_path / "ckpt", 2, {
+        "manifest_fingerprint": "m", "draft_config": shape, "model": now,
+        "schedule": checkpoint.schedule(train), "payload": _Planted(marker)})
+    assert checkpoint.latest(tmp_path / "ckpt", "m", shape, now, train) is None
+    assert not marker.exists()
+    assert "holds more than tensors and plain values" in caplog.text
+    assert "starting over" in caplog.text
+
+
 @pytest.mark.parametrize("change", [{"batch_tokens": 8192}, {"epochs": 2.0}, {"seed": 1},
                                     {"ttt_steps": 3}])
 def test_a_checkpoint_is_not_resumed_under_another_schedule(tmp_path, caplog, change):
@@ -237,7 +264,7 @@ def trainer_rank(train_node: subprocess.Popen):
 def final_weights(train_dir: Path) -> dict:
     import torch
     last = sorted((train_dir / "checkpoints").iterdir())[-1]
-    return torch.load(last / "state.pt", weights_only=False)["model"]
+    return torch.load(last / "state.pt", weights_only=True)["model"]
 
 
 @pytest.mark.slow

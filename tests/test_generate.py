@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from eagle3d.capture.generator import TransformersDecoder, Writer, _decoder
 from eagle3d.capture.planner import plan_batch, plan_prompts
+from eagle3d.capture.sglang_plugin import CaptureSettings
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import GenerateConfig, load_config
@@ -249,7 +250,8 @@ def test_the_sglang_engine_writes_the_answers_the_target_writes(config_factory, 
                             "the generation server")
         server = psutil.Process(st["generate"]["server_pid"])
         assert "--disable-radix-cache" not in server.cmdline()
-        assert not any(key.startswith("EAGLE3D_") for key in server.environ())
+        # No capture settings: the plugin stays inert (its API key is the only eagle3d variable).
+        assert CaptureSettings.from_env(server.environ()) is None
         wait_for(lambda: "started engine" in d.output() or "stage failed" in d.output(), 600,
                  "the capture engine's start")
         log = d.output()

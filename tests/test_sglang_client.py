@@ -133,7 +133,7 @@ def test_samples_become_dumps_through_batched_prefills(tmp_path, spool):
     fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16"))
     server = serve(fake)
     client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}/", max_concurrency=4,
-                          request_key=key)
+                          api_key="a", request_key=key)
     try:
         assert not healthy(client.base_url, timeout=2.0)  # 503 while starting
         assert healthy(client.base_url, timeout=2.0)
@@ -169,18 +169,18 @@ def test_a_server_that_loaded_another_model_path_is_refused():
     server = serve(FakeSGLang(None))
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        check_serves(url, "/models/served")
+        check_serves(url, "/models/served", "a")
         with pytest.raises(ContractMismatch, match="loaded /models/served, not the target "
                                                    "/models/checked"):
-            check_serves(url, "/models/checked")
+            check_serves(url, "/models/checked", "a")
     finally:
         server.shutdown()
     with pytest.raises(ContractMismatch, match="does not say which model it loaded"):
-        check_serves("http://127.0.0.1:9", "/models/served")  # the discard port: refused
+        check_serves("http://127.0.0.1:9", "/models/served", "a")  # the discard port: refused
 
 
 def test_a_server_that_is_not_there_yields_errors_not_hangs():
-    client = SGLangClient("http://127.0.0.1:9", max_concurrency=2)  # discard port: refused
+    client = SGLangClient("http://127.0.0.1:9", max_concurrency=2, api_key="a")  # discard port
     assert not healthy(client.base_url, timeout=1.0)
     client.submit([("a" * 32, [1, 2, 3])])
     events = wait_events(client, 1, timeout=10.0)
@@ -198,7 +198,8 @@ def test_a_spot_check_gets_its_dumps_where_it_asked_not_in_the_spool(tmp_path, s
     writer = DumpWriter(spool, CONTRACT, ledger_loss_masks(plan(tmp_path, samples)))
     fake = FakeSGLang(Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16"))
     server = serve(fake)
-    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", max_concurrency=2)
+    client = SGLangClient(f"http://127.0.0.1:{server.server_address[1]}", max_concurrency=2,
+                          api_key="a")
     wanted = tmp_path / "spot-check"
     wanted.mkdir()
     redirected = {sample_id(ids): wanted for ids in samples}

@@ -12,6 +12,7 @@ import pytest
 from eagle3d.capture.sglang_launcher import (CAPTURE_FLAGS, SUPPORTED, check_version,
                                              generation_command, launch_command, shell_line)
 from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN, CaptureSettings
+from eagle3d.capture.sglang_serve import API_KEY_ENV
 from eagle3d.statemachine.config import parse_config
 
 CONTRACT = {"fingerprint": "c" * 32, "layer_ids": [2, 30, 58], "dtype": "bfloat16",
@@ -37,7 +38,8 @@ def flag(argv: list[str], name: str) -> str:
 def test_command_starts_sglang_with_the_flags_capture_needs(tmp_path, monkeypatch):
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     argv, env = launch_command(config(tmp_path, extra_args=["--trust-remote-code"]), CONTRACT)
-    assert argv[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+    # SGLang through sglang_serve, which adds this start's API key out of other users' sight.
+    assert argv[:3] == ["/opt/sglang/bin/python", "-m", "eagle3d.capture.sglang_serve"]
     assert flag(argv, "--model-path") == str(tmp_path / "Kimi-K2.5")
     assert (flag(argv, "--tp-size"), flag(argv, "--port"), flag(argv, "--dtype")) == \
         ("8", "30123", "bfloat16")
@@ -60,6 +62,9 @@ def test_command_starts_sglang_with_the_flags_capture_needs(tmp_path, monkeypatc
     # Each start's own request key, which no command line shows (a local user reads those).
     assert len(settings.request_key) == 32 and again[ENV_REQUEST_KEY] != settings.request_key
     assert settings.request_key not in " ".join(argv)
+    # So is its API key (sglang_serve adds it to SGLang's arguments inside the process).
+    assert len(env[API_KEY_ENV]) >= 32 and again[API_KEY_ENV] != env[API_KEY_ENV]
+    assert env[API_KEY_ENV] not in " ".join(argv) and "--api-key" not in argv
     line = shell_line(argv, env)
     assert shlex.split(line)[-len(argv):] == argv and "EAGLE3D_LAYER_IDS=2,30,58" in line
 
@@ -84,7 +89,7 @@ def test_the_generation_server_serves_as_sglang_does_and_never_captures(tmp_path
     for name in ("--model-path", "--tp-size", "--dtype", "--port", "--mem-fraction-static"):
         assert flag(argv, name) == flag(capture_argv, name)
     assert not {f for f in CAPTURE_FLAGS if f.startswith("--")} & set(argv)
-    assert CaptureSettings.from_env(env) is None
+    assert CaptureSettings.from_env(env) is None and env[API_KEY_ENV]
     with pytest.raises(ValueError, match="extra_args"):
         generation_command(config(tmp_path, extra_args=["--enable-dp-attention"]))
 
@@ -101,7 +106,7 @@ def test_an_operators_plugin_list_keeps_ours(tmp_path, monkeypatch):
     "--enable-dp-attention", "--enable-prefill-cp", "--attn-cp-size=2",
     "--attention-context-parallel-size", "--enable-layernorm-sp",
     "--enable-attn-tp-input-scattered", "--enable-return-aux-hidden-states",
-    "--return-aux-hidden-state-layer-ids"])
+    "--return-aux-hidden-state-layer-ids", "--api-key=mine", "--admin-api-key"])
 def test_extra_args_cannot_undo_capture_flags(tmp_path, bad):
     with pytest.raises(ValueError, match=f"extra_args\\] {bad.split('=')[0]} is set by eagle3d"):
         launch_command(config(tmp_path, extra_args=[bad]), CONTRACT)

@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 
 from eagle3d.statemachine.config import STOP_BUDGET_S
+from tests.test_local_users import intruder  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 UNIT = REPO / "systemd" / "eagle3d.service"
 TEMPLATE = REPO / "etc" / "eagle3d.toml"
+TMPFILES = REPO / "systemd" / "eagle3d-tmpfiles.conf"
 INSTALLED_DAEMON = "/opt/eagle3d/bin/eagle3d"
 
 
@@ -108,6 +110,44 @@ def test_the_unit_lets_the_production_config_write_where_it_must():
             f"[paths] {key} = {paths[key]} is read-only for the service"
 
 
+def test_the_spool_is_the_services_before_the_daemon_starts_whoever_made_it_first(intruder):
+    """/dev/shm is every local user's: the unit has systemd-tmpfiles make the production spool
+    the service's, mode 0700, before each start. Run for real (on a test folder, for root) after
+    another user made the folder first, world-writable: it is root's and 0700 afterwards."""
+    svc = directives(UNIT)["Service"]
+    assert svc["ExecStartPre"] == ["+/usr/bin/systemd-tmpfiles --create "
+                                   "/etc/tmpfiles.d/eagle3d.conf"]
+    lines = [line.split() for line in TMPFILES.read_text().splitlines()
+             if line.strip() and not line.startswith("#")]
+    spool = tomllib.loads(TEMPLATE.read_text())["paths"]["spool_dir"]
+    assert lines == [["d", spool, "0700", svc["User"][-1], svc["Group"][-1], "-"]]
+    taken = Path("/dev/shm") / f"eagle3d-tmpfiles-test-{os.getpid()}"
+    assert intruder.run(["mkdir", "-m", "0777", str(taken)]).returncode == 0
+    try:
+        conf = taken.with_name(taken.name + ".conf")
+        conf.write_text(TMPFILES.read_text().replace(spool, str(taken))
+                        .replace("eagle3d eagle3d", "root root"))
+        done = subprocess.run(["systemd-tmpfiles", "--create", str(conf)], capture_output=True,
+                              text=True, timeout=60)
+        conf.unlink()
+        assert done.returncode == 0, done.stderr
+        st = taken.lstat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o7777) == (0, 0, 0o700)
+    finally:
+        shutil.rmtree(taken)
+
+
+def test_a_single_node_unit_takes_no_packet_from_another_machine():
+    """torchrun's agent listens on every interface whatever its flags (measured with --standalone
+    on torch 2.13: two TCPStore ports on *), so the unit keeps the network out; operations.md
+    gives the drop-in that lets a multi-node cluster in, as systemd reads drop-ins."""
+    svc = directives(UNIT)["Service"]
+    assert svc["IPAddressDeny"] == ["any"] and svc["IPAddressAllow"] == ["localhost"]
+    docs = (REPO / "docs" / "operations.md").read_text()
+    assert "## Shared servers" in docs
+    assert "[Service]\nIPAddressAllow=10.0.0.0/8" in docs
+
+
 def make(target: str, destdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", target, f"DESTDIR={destdir}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=True)
@@ -118,6 +158,7 @@ def test_install_keeps_an_edited_config_and_uninstall_keeps_the_data(tmp_path):
     root = tmp_path / "root"
     make("install", root)
     assert (root / "etc/systemd/system/eagle3d.service").read_text() == UNIT.read_text()
+    assert (root / "etc/tmpfiles.d/eagle3d.conf").read_text() == TMPFILES.read_text()
     config = root / "etc/eagle3d/eagle3d.toml"
     assert config.read_text() == TEMPLATE.read_text()
     assert config.stat().st_mode & 0o777 == 0o640  # the dataset's location is not world-readable
@@ -136,6 +177,7 @@ def test_install_keeps_an_edited_config_and_uninstall_keeps_the_data(tmp_path):
     (root / "data/eagle3d/dataset/shard-000").mkdir()
     make("uninstall", root)
     assert not (root / "etc/systemd/system/eagle3d.service").exists()
+    assert not (root / "etc/tmpfiles.d/eagle3d.conf").exists()
     assert not (root / "opt/eagle3d").exists()
     assert not os.path.lexists(root / "usr/local/bin/eagle3ctl")
     assert config.read_text() == edited

@@ -14,6 +14,9 @@ each request's new ids, its stop token included. FAKE_SGLANG=die-generating make
 code 3 at the first /generate instead; FAKE_SGLANG=hold-first holds the first /generate until
 HOLD_UNTIL other requests have been answered (or HOLD_LIMIT_S has passed) and then writes to the
 file FAKE_SGLANG_LOG which of the two released it.
+
+Started with --api-key, it refuses as SGLang does (401) every request but /health and /metrics
+that does not carry the key as `Authorization: Bearer KEY`.
 """
 
 import json
@@ -88,8 +91,21 @@ class Generator:
 
 
 def handler(generate: Generator | None) -> type:
+    key = arg("--api-key") if "--api-key" in sys.argv else None
+
     class Handler(BaseHTTPRequestHandler):
+        def refused(self) -> bool:
+            """SGLang's rule: with a key, only the health and metrics probes go without it."""
+            if key is None or self.path.startswith(("/health", "/metrics")) or \
+                    self.headers.get("Authorization") == f"Bearer {key}":
+                return False
+            self.send_response(401)
+            self.end_headers()
+            return True
+
         def do_GET(self) -> None:
+            if self.refused():
+                return
             if self.path == "/get_model_info":  # as SGLang names what it loaded
                 answer = json.dumps({"model_path": arg("--model-path")}).encode()
                 self.send_response(200)
@@ -102,6 +118,8 @@ def handler(generate: Generator | None) -> type:
             self.end_headers()
 
         def do_POST(self) -> None:
+            if self.refused():
+                return
             if self.path != "/generate" or generate is None:
                 self.send_response(404)
                 self.end_headers()

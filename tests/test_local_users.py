@@ -1,0 +1,160 @@
+"""A hostile local user on a shared server, and a second daemon on the same state folder: what
+another account on the machine can and cannot do to a running service."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+from typing import NamedTuple
+
+import psutil
+import pytest
+
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
+from tests.conftest import venv_bin
+from tests.pipeline import DaemonProcess, ctl, messages_config
+from tests.test_ingest import env  # noqa: F401 (a fixture)
+
+INTRUDER = "eagle3d-intruder"
+USERADD_EXISTS = 9  # useradd's status for a name taken (another test made it first)
+
+
+class Intruder(NamedTuple):
+    """A real unprivileged local user, as on a shared server: its own uid, no groups."""
+    uid: int
+    gid: int
+
+    def run(self, argv: list[str]) -> subprocess.CompletedProcess:
+        return subprocess.run(["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}",
+                               "--clear-groups", *argv], capture_output=True, text=True,
+                              timeout=60)
+
+
+@pytest.fixture
+def intruder() -> Intruder:
+    if os.geteuid() != 0:
+        pytest.skip("acting as another local user needs root")
+    made = subprocess.run(["useradd", "--system", "--no-create-home", "--shell",
+                           "/usr/sbin/nologin", INTRUDER], capture_output=True, text=True)
+    assert made.returncode in (0, USERADD_EXISTS), made.stderr
+    entry = pwd.getpwnam(INTRUDER)
+    return Intruder(entry.pw_uid, entry.pw_gid)
+
+
+def test_a_second_daemon_on_the_same_state_folder_is_refused_naming_the_first(
+        tmp_path, config_factory):
+    """`eagle3d run` twice on one config: the second exits 2 and names the first (pid, host);
+    the first runs on with its engine untouched, and the ledger records one daemon only."""
+    config = messages_config(config_factory, tmp_path, 20)
+    with DaemonProcess(config) as first:
+        st = first.status_until(lambda s: s.get("engine", {}).get("status") == "ready", 300,
+                                "the engine")
+        assert ctl(config, "pause", "--reason", "hold the engine").returncode == 0
+        engine = psutil.Process(st["engine"]["pid"])
+        second = subprocess.run([venv_bin("eagle3d"), "run", "-c", str(config)],
+                                capture_output=True, text=True, timeout=120)
+        out = second.stdout + second.stderr
+        assert second.returncode == 2, out
+        assert f"another eagle3d daemon holds {tmp_path / 'state'} " \
+               f"(pid {first.proc.pid} on {socket.gethostname()}, since " in out, out
+        assert engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE
+        assert first.proc.poll() is None
+        first.status_until(lambda s: s["daemon"]["alive"] and s["engine"]["pid"] == engine.pid,
+                           60, "the first daemon's heartbeat, same engine")
+        assert first.stop() == 0, first.output()[-4000:]
+    state = load_config(config).paths.state_dir
+    with Ledger(layout.ledger(state), readonly=True) as ledger:
+        assert len(ledger.events_of(("daemon_started",))) == 1
+        assert not ledger.events_of(("orphans_ended",))
+
+
+def test_sglang_answers_a_local_user_without_the_start_key_with_401_only(
+        tmp_path, monkeypatch, intruder):
+    """Any local user reaches the server's loopback port: without this start's API key every
+    endpoint but /health answers 401, so no one swaps the weights, aborts or pauses. The key
+    is in no command line the user can read, and the server's environment is closed to them;
+    the daemon's own client gets through with it."""
+    from eagle3d.capture.sglang_client import check_serves
+    from tests.test_sglang_engine import engine, wait
+    monkeypatch.setenv("FAKE_SGLANG", "ok")
+    eng = engine(tmp_path)
+    try:
+        wait(eng, 60)
+        assert eng.ready, eng.problem
+        url = eng.client.base_url
+
+        def code(path: str, *curl: str) -> str:
+            return intruder.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                 *curl, url + path]).stdout
+        assert code("/health") == "200"
+        assert code("/get_model_info") == "401"
+        assert code("/generate", "-d", '{"input_ids": [1, 2], "sampling_params": '
+                    '{"max_new_tokens": 0}}') == "401"
+        assert code("/update_weights_from_disk", "-d", '{"model_path": "/tmp/x"}') == "401"
+        key = eng.client.api_key
+        check_serves(url, str(tmp_path / "model"), key)
+        shown = intruder.run(["cat", f"/proc/{eng.pid}/cmdline"])
+        assert shown.returncode == 0 and "sglang" in shown.stdout and key not in shown.stdout
+        assert intruder.run(["cat", f"/proc/{eng.pid}/environ"]).returncode != 0
+    finally:
+        eng.stop(5)
+
+
+def test_a_dump_another_user_put_in_the_spool_is_rejected_without_charging_the_sample(
+        env, tmp_path, intruder):
+    """A well-formed dump of a planned sample, written by another local user and slipped into
+    the spool: rejected with its owner named, never ingested, and the sample keeps its attempts
+    (the engine did nothing wrong)."""
+    from tests.test_ingest import reason_of, write
+    ing, ledger, spool, samples = env
+    s = samples[0]
+    staging = Path("/dev/shm") / f"eagle3d-intruder-{os.getpid()}"
+    staging.mkdir(mode=0o755)
+    try:
+        genuine = write(staging, s.id, s.input_ids)
+        genuine.chmod(0o644)
+        os.chown(staging, intruder.uid, intruder.gid)
+        copied = intruder.run(["cp", str(genuine), str(staging / "planted")])
+        assert copied.returncode == 0, copied.stderr
+        # Into the spool, as a looser spool would have let them.
+        os.replace(staging / "planted", spool / genuine.name)
+    finally:
+        shutil.rmtree(staging)
+    before = ledger.sample(s.id)
+    out = ing.ingest(genuine.name)
+    assert out.kind == "rejected", out
+    assert f"owned by {INTRUDER} (uid {intruder.uid}), not the service's user" in out.detail
+    assert INTRUDER in reason_of(spool, genuine.name)
+    after = ledger.sample(s.id)
+    assert after.status == before.status == "inflight" and after.attempts == before.attempts
+    assert not (ing.dataset_dir / "shard-00000").exists()
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_a_spool_folder_another_user_made_first_is_refused_naming_its_owner(
+        config_factory, tmp_path, intruder, shards):
+    """The "create the spool's name first" attack: the daemon exits 2 (no restart loop) naming
+    the folder and its owner, and creates nothing in it. With shards the intruder's folder is
+    the root above the shard's spool: it is checked like the spool itself."""
+    sections = {"data": {"shards": 2, "shard": 1}} if shards > 1 else {}
+    config = config_factory(sections)
+    spool = Path(load_config(config).paths.spool_dir)
+    root = spool.parent if shards > 1 else spool
+    made = intruder.run(["mkdir", "-m", "0755", str(root)])
+    assert made.returncode == 0, made.stderr
+    try:
+        run = subprocess.run([venv_bin("eagle3d"), "run", "-c", str(config), "--until", "plan"],
+                             capture_output=True, text=True, timeout=120)
+        out = run.stdout + run.stderr
+        assert run.returncode == 2, out
+        assert str(root) in out and f"{INTRUDER} (uid {intruder.uid})" in out, out
+        assert "Traceback" not in out
+        assert list(root.iterdir()) == []
+    finally:
+        shutil.rmtree(root)
