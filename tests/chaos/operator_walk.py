@@ -312,6 +312,8 @@ def act_edit(world: World, p: dict[str, Any]) -> str:
     section, key, value = p["section"], p["key"], p["value"]
     if section == "paths":
         value = str(world.root / value)
+    if key == "limit":  # the episode's size, or one more
+        value = world.n + value
     edit_config(world.config, section, **{key: value})
     edited = f"[{section}] {key} = {value!r}"
     if p["apply"] == "reload" and world.alive():
@@ -457,7 +459,7 @@ EDITS = [  # (section, key, values): contract keys, live keys, [budget], [paths]
     ("target", "dtype", ["float32", "bfloat16"]),
     ("target", "aux_layers", ["default", [1, 5, 9]]),
     ("data", "first", [0, 1]),
-    ("data", "limit", [3, 4]),
+    ("data", "limit", [0, 1]),  # added to the episode's size
     ("train", "max_steps", [4, 6]),
     ("train", "stop_grace_s", [5, 60]),
     ("extract", "engine_stop_grace_s", [5, 40]),
@@ -520,12 +522,18 @@ def check(world: World) -> None:
     if not alive and code != 3:
         raise Violation("status's exit code is the daemon's condition",
                         f"eagle3ctl status exits {code} with no daemon running")
-    if alive and world.paused and st.get("stage") != "failed" and \
-            st.get("paused_by") != "operator":
+    # The state file is published once a second: a pause shows within a few.
+    if alive and world.paused and not wait(lambda: operator_paused(world), 5):
+        code, st = status(world)
         raise Violation("an operator's pause holds until resume",
                         f"paused by `eagle3ctl pause`, never resumed; status now says stage "
                         f"{st.get('stage')!r}, paused_by {st.get('paused_by')!r}, run "
                         f"{st.get('run', {}).get('id')}")
+
+
+def operator_paused(world: World) -> bool:
+    _, st = status(world)
+    return st.get("stage") == "failed" or st.get("paused_by") == "operator"
 
 
 def one_contract(run: runs.Run) -> None:
