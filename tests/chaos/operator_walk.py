@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
+
 from eagle3d.dataset import contract as capture_contract, dumpformat
 from eagle3d.statemachine import layout, pointer, runs
 from eagle3d.statemachine.config import load_config
@@ -103,7 +105,6 @@ class World:
     notify: Notify
     n: int
     daemon: DaemonProcess | None = None
-    ready_at: float = 0.0                  # monotonic time of this life's READY=1
     watched_from: float = 0.0              # watchdog silences are measured from here
     paused: bool = False                   # `eagle3ctl pause` done, no resume since
     planned: dict[str, set[str]] = field(default_factory=dict)  # run id -> every id it planned
@@ -222,7 +223,7 @@ def act_start(world: World, p: dict[str, Any]) -> str:
     if refused:
         world.daemon = None
         return f"refused, as check-config said ({words[:80]})"
-    world.ready_at = world.watched_from = world.notify.after(t0, "READY=1") or time.monotonic()
+    world.watched_from = world.notify.after(t0, "READY=1") or time.monotonic()
     wait(lambda: settled(world, d), SETTLE_S)
     reg = world.registry()
     current = reg.runs.get(reg.current or "")
@@ -285,21 +286,20 @@ def act_kill_child(world: World, p: dict[str, Any]) -> str:
     """kill -9 of whatever child the daemon has (engine, planner, trainer rank, evaluation)."""
     if not world.alive():
         return "skip"
-    kids = [k for k in _children(world.daemon.proc.pid)]
+    kids = _children(world.daemon.proc.pid)
     if not kids:
         return "skip"
     kid = kids[p["pick"] % len(kids)]
     try:
         name = " ".join(kid.cmdline()[1:4])
         kid.kill()
-    except Exception:  # psutil.Error: it ended by itself meanwhile
+    except psutil.Error:  # it ended by itself meanwhile
         return "skip"
     world.crashes += 1
     return f"killed -9 {name[:80]}"
 
 
-def _children(pid: int) -> list:
-    import psutil
+def _children(pid: int) -> list[psutil.Process]:
     try:
         return psutil.Process(pid).children(recursive=True)
     except psutil.Error:
@@ -348,7 +348,7 @@ def act_forget(world: World, p: dict[str, Any]) -> str:
         raise Violation("forget never removes a byte of a run not forgotten",
                         f"forgetting {victim.id} deleted {len(gone)} files of "
                         f"{sorted({kept[Path(g)] for g in gone})}: {gone[:4]}")
-    if spool.is_dir() is False and world.alive():
+    if not spool.is_dir() and world.alive():
         raise Violation("forget never removes a byte of a run not forgotten",
                         f"forgetting {victim.id} deleted the live spool {spool}")
     world.planned.pop(victim.id, None)

@@ -32,7 +32,7 @@ SHRINK_S = float(os.environ.get("EAGLE3D_CHAOS_SHRINK_S", "300"))
 def seeds() -> list[int]:
     if "EAGLE3D_CHAOS_SEED" in os.environ:
         return [int(os.environ["EAGLE3D_CHAOS_SEED"])]
-    return CI_SEEDS if SCALE == 1 else list(range(1, 1 + 4 * SCALE))
+    return CI_SEEDS if SCALE == 1 else list(range(1, 1 + 2 * SCALE))
 
 
 def kept_actions() -> list[int] | None:
@@ -51,5 +51,6 @@ def test_random_operator_breaks_no_invariant(seed, tmp_path, figures):
     if out.violation is not None and kept_actions() is None and SHRINK_S > 0:
         out = operator_walk.shrink(out, tmp_path, SCALE, LENGTH, SHRINK_S)
     print(f"seed {seed}:\n  " + "\n  ".join(out.steps))  # what a passing walk did, with -s
-    assert out.violation is None, operator_walk.report(out, SCALE)
+    if out.violation is not None:
+        pytest.fail(operator_walk.report(out, SCALE), pytrace=False)
     figures.faults += out.crashes
