@@ -1,0 +1,670 @@
+"""The randomized operator (issue 53): a seeded random walk of what operators and machines do to a
+real daemon on a tiny config, with the issue's invariants checked after every step.
+
+A seed draws a fixed list of actions up front (`plan`); each action has a guard (a reload needs a
+live daemon, a forget a set-aside run) and is skipped where the guard does not hold, so any
+subset of the list is again a valid walk: shrinking deletes actions and replays (`shrink`), and
+`EAGLE3D_CHAOS_SEED=N EAGLE3D_CHAOS_ACTIONS=i,j,k` replays exactly the kept ones.
+
+Everything is real: `eagle3d run` processes, eagle3ctl, SIGHUP, SIGTERM, kill -9, a real
+sd_notify socket with WATCHDOG_USEC (the daemon pings it as it pings systemd), real files.
+The daemon waits cheaply by default: `[budget] reserve` far above the disk pauses it after the
+plan with no model loaded, and the walk lifts that budget (an edit) when it wants extraction.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+import tomllib
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+
+from eagle3d.dataset import contract as capture_contract, dumpformat
+from eagle3d.statemachine import layout, pointer, runs
+from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
+from tests.chaos.harness import describe, end, kill9, processes_of
+from tests.conftest import make_config, venv_bin, write_conversations
+from tests.pipeline import DaemonProcess, edit_config
+
+WATCHDOG_S = 10.0       # WatchdogSec of the walk's daemons: systemd kills a daemon silent this long
+LIFT = "100MiB"         # [budget] reserve that lets extraction run
+# ... and one that pauses it after the plan with no model loaded: more than the disk has free,
+# less than its size (check-config refuses a reserve that can never stay free).
+HOLD = f"{shutil.disk_usage('/tmp').total // 2**30 - 1}GiB"
+SETTLE_S = 180.0        # a start or a reload must have shown its outcome by then
+
+
+class Violation(AssertionError):
+    """An invariant broken at one step of a walk."""
+
+    def __init__(self, invariant: str, detail: str) -> None:
+        super().__init__(f"{invariant}: {detail}")
+        self.invariant = invariant
+        self.detail = detail
+
+
+# ---- the sd_notify socket -------------------------------------------------------------------
+
+class Notify:
+    """A real NOTIFY_SOCKET: every datagram the daemon sends, with its arrival time."""
+
+    def __init__(self, path: Path) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.sock.settimeout(0.2)
+        self.path = path
+        self.messages: list[tuple[float, str]] = []
+        self.closed = False
+        threading.Thread(target=self._listen, daemon=True).start()
+
+    def _listen(self) -> None:
+        while not self.closed:
+            try:
+                data = self.sock.recv(65536)
+            except (socket.timeout, OSError):
+                continue
+            self.messages.append((time.monotonic(), data.decode(errors="replace")))
+
+    def env(self) -> dict[str, str]:
+        return {"NOTIFY_SOCKET": str(self.path), "WATCHDOG_USEC": str(int(WATCHDOG_S * 1e6))}
+
+    def after(self, t: float, word: str) -> float | None:
+        """When the first message holding `word` arrived after monotonic time t."""
+        return next((at for at, m in list(self.messages) if at > t and word in m), None)
+
+    def longest_silence(self, since: float, until: float) -> float:
+        """The longest gap between WATCHDOG=1 pings in [since, until]."""
+        pings = [at for at, m in list(self.messages) if "WATCHDOG=1" in m and since <= at <= until]
+        edges = [since, *pings, until]
+        return max(b - a for a, b in zip(edges, edges[1:]))
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+
+
+# ---- the walk's world -----------------------------------------------------------------------
+
+@dataclass
+class World:
+    """One episode: its folders, its config, the live daemon, and what the operator did."""
+    root: Path
+    config: Path
+    notify: Notify
+    n: int
+    daemon: DaemonProcess | None = None
+    watched_from: float = 0.0              # watchdog silences are measured from here
+    paused: bool = False                   # `eagle3ctl pause` done, no resume since
+    planned: dict[str, set[str]] = field(default_factory=dict)  # run id -> every id it planned
+    verified: dict[str, set[str]] = field(default_factory=dict)  # run id -> ids once verified
+    excluded: set[str] = field(default_factory=set)
+    damaged: set[str] = field(default_factory=set)   # ids whose dump the walk truncated
+    crashes: int = 0
+    printed: str = ""                      # the last `--until done` output
+
+    def alive(self) -> bool:
+        return self.daemon is not None and self.daemon.proc.poll() is None
+
+    def registry(self) -> runs.Registry:
+        return runs.read(load_config(self.config).paths.state_dir)
+
+    def live_registry(self) -> runs.Registry:
+        """The registry under the folders the live daemon works in (the file may name others)."""
+        running = pointer.read(self.config)
+        if running:
+            in_force = load_config(running["in_force"])
+            for root in (in_force.paths.state_dir, *in_force.paths.state_dir.parents):
+                if layout.runs_registry(root).exists():
+                    return runs.read(root)
+        return self.registry()
+
+
+def ctl(world: World, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([venv_bin("eagle3ctl"), "-c", str(world.config), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def new_world(tmp: Path, rng: random.Random, scale: int) -> World:
+    """A tiny config over a few conversations; its [paths] nest under the state folder for half
+    the seeds (issue 52 item 1: the config accepts that)."""
+    n = 3 * scale
+    source = write_conversations(tmp / "conv.jsonl", n + 2)
+    nested = rng.random() < 0.5
+    sections: dict[str, dict[str, Any]] = {
+        "data": {"source": str(source), "format": "messages", "limit": n},
+        "verify": {"spot_checks": 0},
+        "budget": {"reserve": HOLD},
+        "extract": {"batch_tokens": 512, "max_inflight_tokens": 1024,
+                    "engine_stop_grace_s": rng.choice([5, 40])},
+        "train": {"device": "cpu", "nproc": 1, "draft_vocab": 512, "ttt_steps": 2,
+                  "batch_tokens": 512, "warmup_steps": 2, "checkpoint_every": 3, "max_steps": 4,
+                  "threads": 1, "stop_grace_s": rng.choice([5, 60])},
+        "eval": {"limit": 2, "max_new_tokens": 8, "steps": 2}}
+    if nested:
+        sections["paths"] = {"dataset_dir": str(tmp / "state" / "dataset"),
+                             "train_dir": str(tmp / "state" / "train")}
+    config = make_config(tmp, sections)
+    return World(tmp, config, Notify(Path("/tmp") / f"eagle3d-notify-{uuid.uuid4().hex[:10]}"), n)
+
+
+# ---- what a check-config says, and what then happened ---------------------------------------
+
+def promise(world: World) -> tuple[str, str]:
+    """check-config's verdict, as one of "switch", "live", "refused", "start", "start-refused",
+    with its words."""
+    out = ctl(world, "check-config")
+    words = (out.stdout + out.stderr).strip().splitlines()[-1:] or [""]
+    line = words[0]
+    if "no daemon runs" in line:
+        return "start", line
+    if out.returncode != 0:
+        return ("refused" if world.alive() else "start-refused"), line
+    return ("switch" if "switches runs" in line else "live"), line
+
+
+def status(world: World) -> tuple[int, dict[str, Any]]:
+    import json
+    out = ctl(world, "status", "--json")
+    try:
+        return out.returncode, json.loads(out.stdout)
+    except ValueError:
+        return out.returncode, {}
+
+
+def settled(world: World, d: DaemonProcess) -> bool:
+    """This life has published a state past its plan (or exited)."""
+    if d.proc.poll() is not None:
+        return True
+    _, st = status(world)
+    return st.get("daemon", {}).get("pid") == d.proc.pid and st.get("stage") not in (
+        None, "not started", "plan")
+
+
+def wait(predicate: Callable[[], Any], timeout: float) -> Any:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.3)
+    return None
+
+
+# ---- actions ---------------------------------------------------------------------------------
+
+def act_start(world: World, p: dict[str, Any]) -> str:
+    if world.alive():
+        return "skip"
+    verdict, words = promise(world)
+    d = DaemonProcess(world.config, env=world.notify.env())
+    t0 = time.monotonic()
+    world.daemon = d
+    refused = wait(lambda: d.proc.poll() is not None or world.notify.after(t0, "READY=1"), 60) \
+        and d.proc.poll() is not None
+    if verdict == "start-refused" and not refused:
+        raise Violation("check-config = what the start does",
+                        f"check-config said {words!r}; the daemon started")
+    if verdict == "start" and refused:
+        raise Violation("check-config = what the start does",
+                        f"check-config said {words!r}; the daemon refused "
+                        f"({d.proc.returncode}): {d.output()[-600:]}")
+    if refused:
+        world.daemon = None
+        return f"refused, as check-config said ({words[:80]})"
+    world.watched_from = world.notify.after(t0, "READY=1") or time.monotonic()
+    wait(lambda: settled(world, d), SETTLE_S)
+    reg = world.registry()
+    current = reg.runs.get(reg.current or "")
+    said = words.split(" run ")[-1].strip().split()[0] if " run " in words else ""
+    if verdict == "start" and current is not None and said not in (current.id, current.key):
+        raise Violation("check-config = what the start does",
+                        f"check-config said {words!r}; the start made {current.id} current")
+    return f"started, run {current.id if current else None}"
+
+
+def act_reload(world: World, p: dict[str, Any]) -> str:
+    """check-config first, then SIGHUP: the verdict must be what the reload does."""
+    if not world.alive():
+        return "skip"
+    verdict, words = promise(world)
+    before = world.live_registry().current
+    t0 = time.monotonic()
+    world.daemon.proc.send_signal(signal.SIGHUP)
+    done = wait(lambda: world.notify.after(t0, "READY=1") or not world.alive(), SETTLE_S)
+    if not world.alive():
+        raise Violation("the daemon lives", f"it exited at a reload: {world.daemon.output()[-800:]}")
+    if not done:
+        raise Violation("a reload ends", f"no READY=1 {SETTLE_S:.0f} s after SIGHUP")
+    time.sleep(1.5)  # one publish after the reload
+    code, st = status(world)
+    after = world.live_registry().current
+    did = ("refused" if st.get("config_problem") else "switch" if after != before else "live")
+    if did != verdict:
+        raise Violation("check-config = what the reload does",
+                        f"check-config said {words!r} ({verdict}); the reload did {did}: "
+                        f"{st.get('config_problem') or f'run {before} -> {after}'}")
+    wait(lambda: settled(world, world.daemon), SETTLE_S)
+    return f"{did} ({words[:90]})"
+
+
+def act_restart(world: World, p: dict[str, Any]) -> str:
+    if not world.alive():
+        return "skip"
+    code = world.daemon.stop(timeout=200)
+    world.daemon = None
+    if code != 0:
+        raise Violation("a stop is clean", f"the daemon exited {code} on SIGTERM")
+    return "stopped; " + act_start(world, p)
+
+
+def act_kill_daemon(world: World, p: dict[str, Any]) -> str:
+    if not world.alive():
+        return "skip"
+    kill9(world.daemon)
+    world.daemon = None
+    world.crashes += 1
+    left = wait(lambda: not processes_of(world.config), 30) is None and processes_of(world.config)
+    if left:
+        end(left)
+        raise Violation("children die with the daemon", describe(left))
+    return "killed -9"
+
+
+def act_kill_child(world: World, p: dict[str, Any]) -> str:
+    """kill -9 of whatever child the daemon has (engine, planner, trainer rank, evaluation)."""
+    if not world.alive():
+        return "skip"
+    kids = _children(world.daemon.proc.pid)
+    if not kids:
+        return "skip"
+    kid = kids[p["pick"] % len(kids)]
+    try:
+        name = " ".join(kid.cmdline()[1:4])
+        kid.kill()
+    except psutil.Error:  # it ended by itself meanwhile
+        return "skip"
+    world.crashes += 1
+    return f"killed -9 {name[:80]}"
+
+
+def _children(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+
+
+def act_edit(world: World, p: dict[str, Any]) -> str:
+    """An operator's edit of the file, then (check-config first) a reload of the live daemon or
+    a restart, or nothing yet."""
+    section, key, value = p["section"], p["key"], p["value"]
+    if section == "paths":
+        value = str(world.root / value)
+    if key == "limit":  # the episode's size, or one more
+        value = world.n + value
+    edit_config(world.config, section, **{key: value})
+    edited = f"[{section}] {key} = {value!r}"
+    if p["apply"] == "reload" and world.alive():
+        return f"{edited}; reload: {act_reload(world, p)}"
+    if p["apply"] == "restart":
+        return f"{edited}; {act_restart(world, p) if world.alive() else act_start(world, p)}"
+    return edited
+
+
+def act_pause(world: World, p: dict[str, Any]) -> str:
+    if not world.alive():
+        return "skip"
+    out = ctl(world, "pause", "--reason", "walk") if p["pause"] else ctl(world, "resume")
+    if out.returncode == 0:
+        world.paused = p["pause"]
+    return f"{'pause' if p['pause'] else 'resume'} -> {out.returncode}"
+
+
+def act_forget(world: World, p: dict[str, Any]) -> str:
+    """Forget a set-aside run: not one byte of any other run may go."""
+    reg = world.registry()
+    aside = [r for r in reg.runs.values() if r.id != reg.current and not r.forgotten]
+    if not aside:
+        return "skip"
+    victim = aside[p["pick"] % len(aside)]
+    kept = {path: rid for rid, r in reg.runs.items() if rid != victim.id and not r.forgotten
+            for path in owned_files(r)}
+    spool = load_config(world.config).paths.spool_dir
+    out = ctl(world, "forget", victim.id, "--reason", "walk")
+    gone = sorted(str(path) for path in kept if not path.exists())
+    if gone:
+        raise Violation("forget never removes a byte of a run not forgotten",
+                        f"forgetting {victim.id} deleted {len(gone)} files of "
+                        f"{sorted({kept[Path(g)] for g in gone})}: {gone[:4]}")
+    if not spool.is_dir() and world.alive():
+        raise Violation("forget never removes a byte of a run not forgotten",
+                        f"forgetting {victim.id} deleted the live spool {spool}")
+    world.planned.pop(victim.id, None)
+    world.verified.pop(victim.id, None)
+    return f"forget {victim.id} -> {out.returncode}: {(out.stdout + out.stderr).strip()[:90]}"
+
+
+def owned_files(run: runs.Run) -> list[Path]:
+    """The files that make a run: its ledger, config in force, contract, manifest, dumps and
+    drafter."""
+    files = [layout.ledger(run.state_dir), layout.config_in_force(run.state_dir),
+             layout.contract_file(run.dataset_dir), layout.manifest_file(run.dataset_dir)]
+    files += list(run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"))
+    files += list(layout.export_dir(run.train_dir).glob("*"))
+    return [f for f in files if f.exists()]
+
+
+def _current(world: World) -> runs.Run | None:
+    reg = world.live_registry()
+    return reg.runs.get(reg.current or "")
+
+
+def act_exclude(world: World, p: dict[str, Any]) -> str:
+    run = _current(world)
+    if not world.alive() or run is None or not layout.ledger(run.state_dir).exists():
+        return "skip"
+    with Ledger(layout.ledger(run.state_dir), readonly=True, timeout=5) as ledger:
+        ids = [s.id for s in ledger.samples() if s.status != "excluded"]
+    if not ids:
+        return "skip"
+    sid = ids[p["pick"] % len(ids)]
+    out = ctl(world, "exclude", sid, "--reason", "walk")
+    if out.returncode == 0:
+        world.excluded.add(sid)
+    return f"exclude {sid} -> {out.returncode}"
+
+
+def act_retry(world: World, p: dict[str, Any]) -> str:
+    if not world.alive():
+        return "skip"
+    return f"retry --failed -> {ctl(world, 'retry', '--failed').returncode}"
+
+
+def act_truncate_dump(world: World, p: dict[str, Any]) -> str:
+    """A dump damaged on disk, found by `eagle3ctl verify --full`."""
+    run = _current(world)
+    if not world.alive() or run is None:
+        return "skip"
+    dumps = sorted(run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"))
+    if not dumps:
+        return "skip"
+    victim = dumps[p["pick"] % len(dumps)]
+    with open(victim, "r+b") as f:
+        f.truncate(max(1, victim.stat().st_size // 2))
+    world.damaged.add(victim.stem)
+    return f"truncated {victim.name}; verify --full -> {ctl(world, 'verify', '--full').returncode}"
+
+
+def act_spool_junk(world: World, p: dict[str, Any]) -> str:
+    spool = load_config(world.config).paths.spool_dir
+    if not spool.is_dir():
+        return "skip"
+    (spool / f"{'0' * 16}{dumpformat.SUFFIX}").write_bytes(os.urandom(p["size"]))
+    return f"dropped {p['size']} bytes of junk into the spool"
+
+
+def act_wait(world: World, p: dict[str, Any]) -> str:
+    time.sleep(p["s"])
+    return f"waited {p['s']} s"
+
+
+def act_finish(world: World, p: dict[str, Any]) -> str:
+    """The operator's `eagle3d run --until done` with the budget lifted: every drafter path it
+    prints must be the current run's."""
+    if world.alive():
+        code = world.daemon.stop(timeout=200)
+        world.daemon = None
+        if code != 0:
+            raise Violation("a stop is clean", f"the daemon exited {code} on SIGTERM")
+    edit_config(world.config, "budget", reserve=LIFT)
+    verdict, _ = promise(world)
+    if verdict == "start-refused":
+        return "skip"
+    d = DaemonProcess(world.config, "--until", "done", env=world.notify.env())
+    code = d.wait(900)
+    world.printed = d.output()
+    if code != 0:
+        return f"--until done exited {code}"
+    run = _current(world)
+    shown = [line.split()[1] for line in world.printed.splitlines()
+             if line.startswith("drafter:")]
+    export = layout.export_dir(run.train_dir)
+    if shown != [str(export)]:
+        raise Violation("every drafter path printed is the current run's",
+                        f"`eagle3d run --until done` on run {run.id} printed drafter "
+                        f"{shown or 'none'}; the run's drafter is {export}")
+    return f"done, drafter {export}"
+
+
+ACTIONS: dict[str, Callable[[World, dict[str, Any]], str]] = {
+    "start": act_start, "reload": act_reload, "restart": act_restart,
+    "kill-daemon": act_kill_daemon, "kill-child": act_kill_child, "edit": act_edit,
+    "pause": act_pause, "forget": act_forget, "exclude": act_exclude, "retry": act_retry,
+    "truncate-dump": act_truncate_dump, "spool-junk": act_spool_junk, "wait": act_wait,
+    "finish": act_finish}
+
+EDITS = [  # (section, key, values): contract keys, live keys, [budget], [paths] (nested too)
+    ("target", "dtype", ["float32", "bfloat16"]),
+    ("target", "aux_layers", ["default", [1, 5, 9]]),
+    ("data", "first", [0, 1]),
+    ("data", "limit", [0, 1]),  # added to the episode's size
+    ("train", "max_steps", [4, 6]),
+    ("train", "stop_grace_s", [5, 60]),
+    ("extract", "engine_stop_grace_s", [5, 40]),
+    ("budget", "reserve", [HOLD, LIFT]),
+    ("paths", "dataset_dir", ["dataset", "state/dataset", "dataset2"]),
+    ("paths", "train_dir", ["train", "state/train", "train2"]),
+]
+
+WEIGHTS = {"start": 3, "reload": 2, "restart": 1, "kill-daemon": 2, "kill-child": 2, "edit": 16,
+           "pause": 4, "forget": 4, "exclude": 1, "retry": 1, "truncate-dump": 1,
+           "spool-junk": 1, "wait": 1, "finish": 1}
+
+
+def plan(seed: int, length: int) -> list[tuple[str, dict[str, Any]]]:
+    """The seed's actions, drawn before any runs: a start first, then weighted draws."""
+    rng = random.Random(seed)
+    names = list(WEIGHTS)
+    out: list[tuple[str, dict[str, Any]]] = [("start", {})]
+    for _ in range(length - 1):
+        name = rng.choices(names, [WEIGHTS[n] for n in names])[0]
+        p: dict[str, Any] = {"pick": rng.randrange(1000)}
+        if name == "edit":
+            section, key, values = rng.choice(EDITS)
+            p.update(section=section, key=key, value=rng.choice(values),
+                     apply=rng.choices(["reload", "restart", "none"], [6, 2, 2])[0])
+        elif name == "pause":
+            p["pause"] = rng.random() < 0.7
+        elif name == "spool-junk":
+            p["size"] = rng.choice([0, 17, 4096])
+        elif name == "wait":
+            p["s"] = rng.choice([1, 3, 8])
+        out.append((name, p))
+    return out
+
+
+# ---- invariants ------------------------------------------------------------------------------
+
+def check(world: World) -> None:
+    """The issue's invariants, from the files and the real eagle3ctl, after every step."""
+    reg = world.live_registry()
+    for rid, run in reg.runs.items():
+        if run.forgotten:
+            continue
+        one_contract(run)
+        ledger_facts(world, run)
+    if world.alive():
+        now = time.monotonic()
+        silence = world.notify.longest_silence(world.watched_from, now)
+        if silence > WATCHDOG_S:
+            raise Violation("the watchdog is pinged while the daemon lives",
+                            f"no WATCHDOG=1 for {silence:.1f} s (WatchdogSec={WATCHDOG_S:.0f})")
+        world.watched_from = now
+    code, st = status(world)
+    alive = world.alive()
+    if alive and code == 3:
+        raise Violation("status's exit code is the daemon's condition",
+                        f"eagle3ctl status exits 3 (NOT RUNNING) for live daemon pid "
+                        f"{world.daemon.proc.pid}: stage {st.get('stage')!r}, heartbeat "
+                        f"{st.get('daemon', {}).get('heartbeat_age_s')} s old")
+    if not alive and code != 3:
+        raise Violation("status's exit code is the daemon's condition",
+                        f"eagle3ctl status exits {code} with no daemon running")
+    # The state file is published once a second: a pause shows within a few.
+    if alive and world.paused and not wait(lambda: operator_paused(world), 5):
+        code, st = status(world)
+        raise Violation("an operator's pause holds until resume",
+                        f"paused by `eagle3ctl pause`, never resumed; status now says stage "
+                        f"{st.get('stage')!r}, paused_by {st.get('paused_by')!r}, run "
+                        f"{st.get('run', {}).get('id')}")
+
+
+def operator_paused(world: World) -> bool:
+    _, st = status(world)
+    return st.get("stage") == "failed" or st.get("paused_by") == "operator"
+
+
+def one_contract(run: runs.Run) -> None:
+    doc = capture_contract.read(run.dataset_dir)
+    if not doc:
+        return
+    for dump in run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"):
+        try:
+            theirs = dumpformat.read_header(dump).contract
+        except Exception:  # a dump the walk truncated: verify's to judge, not this check's
+            continue
+        if theirs != doc["fingerprint"]:
+            raise Violation("no dataset folder holds dumps of two contracts",
+                            f"{dump} has contract {theirs}, run {run.id}'s is "
+                            f"{doc['fingerprint']}")
+
+
+def ledger_facts(world: World, run: runs.Run) -> None:
+    """No sample planned is lost, none verified is lost, no id twice."""
+    path = layout.ledger(run.state_dir)
+    if not path.exists():
+        if world.planned.get(run.id):
+            raise Violation("no verified sample is lost", f"run {run.id}'s ledger {path} is gone")
+        return
+    with Ledger(path, readonly=True, timeout=10) as ledger:
+        rows = ledger.samples()
+    ids = [r.id for r in rows]
+    if len(ids) != len(set(ids)):
+        raise Violation("a sample id appears once", f"run {run.id} lists an id twice")
+    lost = world.planned.get(run.id, set()) - set(ids)
+    if lost:
+        raise Violation("no verified sample is lost", f"run {run.id} lost {sorted(lost)[:4]}")
+    status_of = {r.id: r.status for r in rows}
+    gone = {s for s in world.verified.get(run.id, set())
+            if status_of.get(s) not in ("verified", "excluded")
+            and s not in world.damaged}
+    if gone:
+        raise Violation("no verified sample is lost",
+                        f"run {run.id}: {sorted(gone)[:4]} were verified, now "
+                        f"{[status_of.get(s) for s in sorted(gone)[:4]]}")
+    world.planned.setdefault(run.id, set()).update(ids)
+    world.verified.setdefault(run.id, set()).update(r.id for r in rows if r.status == "verified")
+
+
+# ---- a walk, its replay and its shrinking ----------------------------------------------------
+
+@dataclass
+class Outcome:
+    seed: int
+    steps: list[str]                 # what each action did
+    violation: Violation | None
+    failed_at: int | None            # index into the plan
+    kept: list[int]                  # the plan's indices walked
+    seconds: float
+    crashes: int
+
+
+def walk(seed: int, tmp: Path, scale: int, length: int, kept: list[int] | None = None) -> Outcome:
+    """Walk the seed's plan (or only its `kept` indices) on a fresh world under `tmp`."""
+    actions = plan(seed, length)
+    kept = list(range(len(actions))) if kept is None else kept
+    tmp.mkdir(parents=True, exist_ok=True)
+    world = new_world(tmp, random.Random(seed), scale)
+    steps: list[str] = []
+    t0 = time.time()
+    violation, failed_at = None, None
+    try:
+        for i in kept:
+            name, p = actions[i]
+            try:
+                did = ACTIONS[name](world, p)
+                if did != "skip":
+                    check(world)
+            except Violation as v:
+                violation, failed_at = v, i
+                steps.append(f"{i}: {name} {_short(p)} -> VIOLATION")
+                break
+            steps.append(f"{i}: {name} {_short(p)} -> {did}")
+    finally:
+        close(world)
+    return Outcome(seed, steps, violation, failed_at, kept, time.time() - t0, world.crashes)
+
+
+def _short(p: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v}" for k, v in p.items() if k != "pick") or ""
+
+
+def close(world: World) -> None:
+    if world.alive():
+        world.daemon.proc.send_signal(signal.SIGTERM)
+        try:
+            world.daemon.proc.wait(200)
+        except subprocess.TimeoutExpired:
+            world.daemon.proc.kill()
+            world.daemon.proc.wait()
+    left = processes_of(world.config)
+    end(left)
+    world.notify.close()
+    world.notify.path.unlink(missing_ok=True)
+    spool = load_config(world.config).paths.spool_dir
+    if str(spool).startswith("/dev/shm/eagle3d-test-"):
+        shutil.rmtree(spool, ignore_errors=True)
+
+
+def shrink(failed: Outcome, tmp: Path, scale: int, length: int, budget_s: float) -> Outcome:
+    """Delete actions while the same invariant still breaks: first everything after the failing
+    step, then one action at a time from the front, within `budget_s` seconds of replays."""
+    assert failed.violation is not None and failed.failed_at is not None
+    best = failed
+    kept = [i for i in failed.kept if i <= failed.failed_at]
+    deadline = time.time() + budget_s
+    j = 0
+    while j < len(kept) - 1 and time.time() < deadline:
+        trial = kept[:j] + kept[j + 1:]
+        out = walk(failed.seed, tmp / f"shrink-{uuid.uuid4().hex[:6]}", scale, length, trial)
+        if out.violation is not None and out.violation.invariant == failed.violation.invariant:
+            best, kept = out, [i for i in trial if i <= out.failed_at]
+        else:
+            j += 1
+    return best
+
+
+def replay_command(seed: int, kept: list[int], scale: int) -> str:
+    scale_env = f"EAGLE3D_CHAOS_SCALE={scale} " if scale != 1 else ""
+    return (f"{scale_env}EAGLE3D_CHAOS_SEED={seed} EAGLE3D_CHAOS_ACTIONS="
+            f"{','.join(map(str, kept))} .venv/bin/python -m pytest -q "
+            "tests/chaos/test_random_operator.py")
+
+
+def report(out: Outcome, scale: int) -> str:
+    v = out.violation
+    return (f"seed {out.seed}: invariant broken: {v.invariant}\n  {v.detail}\n"
+            f"  after {len(out.steps)} actions:\n    " + "\n    ".join(out.steps) +
+            f"\n  replay: {replay_command(out.seed, out.kept[:len(out.steps)], scale)}")
