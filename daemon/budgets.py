@@ -82,8 +82,8 @@ def reclaimable(set_aside: list[tuple[Run, int]]) -> str:
 
 
 def never_met(cfg: Config) -> str | None:
-    """A budget no freed space can satisfy: a reserve as large as its file system.
-    `eagle3ctl check-config` refuses it; the daemon would pause for good."""
+    """A budget no freed space can satisfy: a reserve as large as its file system. A start, a
+    reload and `eagle3ctl check-config` all refuse it, where the daemon would pause for good."""
     dataset = disks(cfg)[0]
     if cfg.budget.reserve >= dataset.total:
         return (f"{cfg.path}: [budget] reserve ({human_bytes(cfg.budget.reserve)}) can never stay "

@@ -88,7 +88,7 @@ def prepare_dirs(cfg: Config) -> None:
 class Daemon:
     def __init__(self, cfg: Config, until: str | None = None,
                  engine_factory: EngineFactory = start_engine) -> None:
-        problem = daemon_problem(cfg)
+        problem = daemon_problem(cfg) or budgets.never_met(cfg)
         if problem:
             raise ConfigError(problem)
         self.root_cfg = cfg  # the configured folders: the runs live under them

@@ -72,6 +72,9 @@ def judge_reload(root: Config, current: runs.Run, new: Config, counts: Counts) -
     verdict = reload_verdict(root, new)
     if verdict is not None:
         return Verdict(*verdict)
+    never = budgets.never_met(new)
+    if never:  # refused by check-config and at a start too: never a pause for good
+        return Verdict(REFUSED, never)
     weights = weights_of(new)
     if runs.run_key(new.contract_keys(), weights) == current.key:
         return Verdict(LIVE, weights=weights)

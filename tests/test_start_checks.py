@@ -122,3 +122,30 @@ def test_a_hand_edited_config_in_force_never_reaches_a_child(config_factory):
     assert child.returncode == entry.REFUSED
     assert f"{path} is not the config in force the daemon holds" in child.stderr
     assert not layout.contract_file(cfg.paths.dataset_dir).exists()  # it planned nothing
+
+
+def test_a_reserve_no_disk_can_keep_is_refused_alike_by_check_config_a_start_and_a_reload(
+        config_factory, tmp_path):
+    """check-config said exit 2 while `eagle3d run` started and paused for good: the three
+    judge one config the same way."""
+    import signal
+
+    from tests.conftest import venv_bin
+    from tests.pipeline import DaemonProcess, edit_config, messages_config
+    impossible = {"reserve": "1000000TiB"}
+    config = config_factory({"budget": impossible})
+    for argv in (["eagle3ctl", "-c", str(config), "check-config"],
+                 ["eagle3d", "run", "-c", str(config)]):
+        out = subprocess.run([venv_bin(argv[0]), *argv[1:]], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == entry.REFUSED and "[budget] reserve" in out.stderr, out
+    config = messages_config(config_factory, tmp_path, 2)
+    with DaemonProcess(config, "--until", "train") as d:
+        d.status_until(lambda s: s["samples"]["total"] == 2, 300, "the plan")
+        paused = subprocess.run([venv_bin("eagle3ctl"), "-c", str(config), "pause"],  # kept up
+                                capture_output=True, timeout=60)
+        assert paused.returncode == 0
+        edit_config(config, "budget", **impossible)
+        d.proc.send_signal(signal.SIGHUP)
+        st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refused reload")
+        assert "[budget] reserve" in st["config_problem"] and d.proc.poll() is None
