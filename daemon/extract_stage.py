@@ -141,6 +141,8 @@ class ExtractStage:
         if self.contract is None:  # the planner writes it
             self.contract = capture_contract.read(self.cfg.paths.dataset_dir)
         self._ensure_ingest()
+        if self.spool is None and self.contract is not None:
+            return  # no spool held: no engine, which writes into the spool by path
         self._engine_events()
         wanted = self._engine_wanted(decision)
         if wanted != "stop":

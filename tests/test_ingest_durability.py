@@ -43,7 +43,8 @@ def plan(ledger: Ledger, n: int, tokens: int) -> list[PlannedSample]:
 
 
 def ingest_all(ingestor: Ingestor, samples: list[PlannedSample]) -> list[str]:
-    return [ingestor.ingest(write(ingestor.spool.path, s.id, s.input_ids).name).kind for s in samples]
+    spool = ingestor.spool.path
+    return [ingestor.ingest(write(spool, s.id, s.input_ids).name).kind for s in samples]
 
 
 def delalloc(path: Path) -> bool:

@@ -249,3 +249,35 @@ def test_a_spool_another_user_swaps_under_the_daemon_is_never_followed(
         daemon.shutdown()
     assert extracted_ids(ledger) <= genuine < {s.id for s in ledger.samples()}
     ledger.close()
+
+
+def test_a_spool_another_user_replaced_before_its_first_use_is_never_opened(
+        tmp_path, intruder, sticky_spool):
+    """Between the start's checks and the spool's first use (the plan, minutes) the spool goes
+    and another user's link takes its name: extraction stops, naming it, and the folder the
+    link names is never listed, written or deleted in."""
+    from eagle3d.daemon.extract_stage import ExtractStage
+    from eagle3d.statemachine.atomic import HOST
+    from eagle3d.statemachine.stages import Seen
+    from tests.test_extract_stage import EXTRACT, plan
+    cfg = load_config(sticky_spool)
+    spool = cfg.paths.spool_dir
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, spool.parent):
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    plan(cfg, 2)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    dead_temp = victim / f".notes.{HOST}.999999999.tmp"
+    dead_temp.write_text("kept\n")
+    made = intruder.run(["ln", "-s", str(victim), str(spool)])
+    assert made.returncode == 0, made.stderr
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, lambda *a: pytest.fail("engine"))
+        try:
+            stage.step(EXTRACT)
+            blocked = stage.observe(Seen(ledger.counts(), None))["blocked"]
+            assert f"cannot open the folder {spool}" in blocked, blocked
+            time.sleep(0.3)
+        finally:
+            stage.stop(time.monotonic() + 10)
+    assert [p.name for p in victim.iterdir()] == [dead_temp.name]
