@@ -21,10 +21,20 @@ def digest(h: "xxhash.xxh3_128") -> str:
 
 
 def file_checksum(path: str | os.PathLike) -> str:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return fd_checksum(fd)
+    finally:
+        os.close(fd)
+
+
+def fd_checksum(fd: int) -> str:
+    """The checksum of the whole file open at `fd`, read by offset (the fd's own is left)."""
     h = hasher()
-    with open(path, "rb", buffering=0) as f:
-        buf = bytearray(CHUNK)
-        view = memoryview(buf)
-        while n := f.readinto(buf):
-            h.update(view[:n])
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    offset = 0
+    while n := os.preadv(fd, [buf], offset):
+        h.update(view[:n])
+        offset += n
     return digest(h)

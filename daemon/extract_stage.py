@@ -27,6 +27,7 @@ from eagle3d.daemon.spool import Spool
 from eagle3d.statemachine import layout, plan_meta
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
+from eagle3d.statemachine.safepath import Unsafe
 from eagle3d.statemachine.stages import Decision, Seen, Stage
 
 log = logging.getLogger("eagle3d")
@@ -89,6 +90,7 @@ class ExtractStage:
         # Opened before anything is written, to hear of every write-back error (durability.py).
         self.group_sync = GroupSync(cfg.paths.dataset_dir)
         self.spool: Spool | None = None
+        self.spool_refused: str | None = None  # why the spool could not be held, tried each tick
         self.ingest_threads: list[threading.Thread] = []
         self.ingested: collections.deque[tuple[float, int]] = collections.deque()
         self.ingest_lock = threading.Lock()
@@ -109,7 +111,15 @@ class ExtractStage:
     def observe(self, seen: Seen) -> dict[str, Any]:
         self.seen = seen
         self.budget_held = self.budget_pause(seen.counts)
-        return {"blocked": self.supervisor.fatal, "budget_pause": self.budget_held}
+        return {"blocked": self.supervisor.fatal or self.spool_problem(),
+                "budget_pause": self.budget_held}
+
+    def spool_problem(self) -> str | None:
+        """Why the spool cannot be held, or was replaced under the daemon: extraction stops
+        (the engine writes by path) and status says why until the operator mends it."""
+        if self.spool is None:
+            return self.spool_refused
+        return self.spool.replaced()
 
     def budget_pause(self, counts: Counts) -> str | None:
         bpt = plan_meta.read(self.ledger).bytes_per_token
@@ -131,6 +141,8 @@ class ExtractStage:
         if self.contract is None:  # the planner writes it
             self.contract = capture_contract.read(self.cfg.paths.dataset_dir)
         self._ensure_ingest()
+        if self.spool is None and self.contract is not None:
+            return  # no spool held: no engine, which writes into the spool by path
         self._engine_events()
         wanted = self._engine_wanted(decision)
         if wanted != "stop":
@@ -238,7 +250,14 @@ class ExtractStage:
     def _ensure_ingest(self) -> None:
         if self.spool is not None or self.contract is None:
             return
-        self.spool = Spool(self.cfg.paths.spool_dir, self.cfg.extract.rescan_interval_s)
+        try:
+            self.spool = Spool(self.cfg.paths.spool_dir, self.cfg.extract.rescan_interval_s)
+        except Unsafe as exc:
+            if str(exc) != self.spool_refused:
+                log.error("%s", exc)
+            self.spool_refused = str(exc)
+            return
+        self.spool_refused = None
         for i in range(self.cfg.extract.ingest_threads):
             thread = threading.Thread(target=self._ingest_loop, name=f"ingest-{i}", daemon=True)
             thread.start()
@@ -247,7 +266,7 @@ class ExtractStage:
     def _ingest_loop(self) -> None:
         assert self.spool is not None and self.contract is not None
         ledger = Ledger(layout.ledger(self.cfg.paths.state_dir))
-        ingestor = Ingestor(ledger, self.cfg.paths.spool_dir, self.cfg.paths.dataset_dir,
+        ingestor = Ingestor(ledger, self.spool.dir, self.cfg.paths.dataset_dir,
                             self.contract, self.cfg.extract.max_attempts, self.group_sync)
         try:
             while not (self.stopping and self.spool.idle):

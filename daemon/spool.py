@@ -4,12 +4,18 @@ inotify (through watchdog) is only a hint to act sooner. Its queue overflows und
 renames (measured here: 20,000 renames delivered as few as 3,600 events, silently), and a rename
 from outside the folder arrives as *created*, not *moved*. So every event kind counts, and a
 periodic full rescan is the truth that catches whatever the events missed.
+
+The spool lies in a folder every local user may write to (/dev/shm). It is opened once and held
+(safepath.HeldDir): the rescan, the removal of dead temps and ingest act through the handle, and
+an event gives a name only. If the path comes to name anything else, `replaced()` says so and
+the extract stage stops there; the daemon never follows the path to what is there now.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -19,7 +25,8 @@ from watchdog.observers import Observer
 
 from eagle3d.dataset import dumpformat
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.atomic import remove_dead_temps, writer
+from eagle3d.statemachine.atomic import dead_temps, writer
+from eagle3d.statemachine.safepath import HeldDir, Unsafe
 
 log = logging.getLogger("eagle3d")
 
@@ -58,7 +65,8 @@ class Spool:
     until it has been handled."""
 
     def __init__(self, folder: Path, rescan_interval: float) -> None:
-        self.folder = folder
+        """Raises safepath.Unsafe where `folder` is not the daemon's to hold."""
+        self.dir = HeldDir.open(folder)
         self.rescan_interval = rescan_interval
         self._cv = threading.Condition()
         self._queue: list[str] = []
@@ -66,6 +74,8 @@ class Spool:
         self._next_rescan = 0.0
         self.bytes_waiting = 0
         self.observer = Observer()
+        # By path: after a swap its events may name another folder's files, which is harmless
+        # while they are names only, looked up again in the folder held.
         self.observer.schedule(_Hint(self), str(folder), recursive=False)
         self.observer.daemon = True
         self.observer.start()
@@ -101,35 +111,53 @@ class Spool:
             if not force and now < self._next_rescan:
                 return
             self._next_rescan = now + self.rescan_interval
+        entries = self.dir.entries()
         total = 0
-        try:
-            entries = list(os.scandir(self.folder))
-        except FileNotFoundError:
-            return
-        for entry in entries:
-            name = entry.name
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+        for name, st in entries:
             total += st.st_size
             if name.startswith("."):
                 if writer(name) is not None:
                     continue  # a live writer's, or removed below once its writer is gone
                 if time.time() - st.st_mtime > STRAY_AGE_S:
                     self.offer(name)  # ingest rejects it, with its reason
-            elif entry.is_dir(follow_symlinks=False):
-                if name == layout.rejected_dir(self.folder).name:
-                    total += sum(e.stat(follow_symlinks=False).st_size
-                                 for e in os.scandir(entry.path))
+            elif stat.S_ISDIR(st.st_mode):
+                if name == layout.rejected_dir(self.dir.path).name:
+                    total += self._rejected_bytes(name)
             else:
                 self.offer(name)
-        for name in remove_dead_temps(self.folder, (e.name for e in entries)):
-            log.info("removed %s: its writer is gone", name)
+        for name in dead_temps(name for name, _ in entries):
+            try:
+                self.dir.unlink(name)
+                log.info("removed %s: its writer is gone", name)
+            except FileNotFoundError:
+                pass
         self.bytes_waiting = total
+
+    def _rejected_bytes(self, name: str) -> int:
+        try:
+            rejected = self.dir.subdir(name, 0o700)
+        except Unsafe as exc:  # not ours: nothing in it is counted, nor read
+            log.warning("%s", exc)
+            return 0
+        try:
+            return sum(st.st_size for _, st in rejected.entries())
+        finally:
+            rejected.close()
+
+    def replaced(self) -> str | None:
+        """Why the spool's path no longer names the folder held, or None. Another user in the
+        spool's world-writable parent may have put a link or a folder of theirs there: the
+        engine, which writes by path, would write into it, so the extract stage stops."""
+        if self.dir.where() != "replaced":
+            return None  # a spool removed outright is made again (or waited for) elsewhere
+        return (f"the spool {self.dir.path} was replaced under the daemon: another local user "
+                "may have put a link or a folder of theirs in its place. eagle3d neither reads "
+                "nor writes there; extraction stops until the path names the daemon's own "
+                "spool again (remove what is there now and restart the service)")
 
     def stop(self) -> None:
         self.observer.stop()
         self.observer.join(timeout=5)
+        self.dir.close()
 
 

@@ -29,23 +29,25 @@ def writer(name: str) -> tuple[str, int] | None:
     return None
 
 
-def remove_dead_temps(folder: str | os.PathLike, names: Iterable[str] | None = None) -> list[str]:
+def remove_dead_temps(folder: str | os.PathLike) -> list[str]:
     """Remove the temp files whose writer is gone (killed between its write and its rename:
-    nothing else would ever remove them); returns their names. Only this host's: another host's
-    pid cannot be judged here. `names`: the folder's entries where the caller has just listed
-    it (a spool of a million dumps is not listed twice)."""
+    nothing else would ever remove them); returns their names."""
     folder = Path(folder)
     removed = []
-    for name in (p.name for p in folder.glob(".*.tmp")) if names is None else names:
-        who = writer(name)
-        if who is None or who[0] != HOST or _alive(who[1]):
-            continue
+    for name in dead_temps(p.name for p in folder.glob(".*.tmp")):
         try:
             (folder / name).unlink()
             removed.append(name)
         except FileNotFoundError:
             pass
     return removed
+
+
+def dead_temps(names: Iterable[str]) -> list[str]:
+    """The temp files among `names` whose writer is gone. Only this host's: another host's pid
+    cannot be judged here."""
+    return [name for name in names
+            if (who := writer(name)) is not None and who[0] == HOST and not _alive(who[1])]
 
 
 def _alive(pid: int) -> bool:

@@ -17,6 +17,7 @@ import torch
 from eagle3d.statemachine import manifest
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.safepath import HeldDir
 from tests.conftest import write_conversations
 from tests.pipeline import DaemonProcess, fill_file_system, run_until, status
 
@@ -136,7 +137,7 @@ def test_full_dataset_disk_mid_copy_leaves_the_dump_in_the_spool(tmp_path, small
         ledger.claim(1, 10**9)
         path = write(spool, "a" * 32, ids)
         (small_tmpfs / "fill").write_bytes(b"\0" * (20 << 20))
-        ing = Ingestor(ledger, spool, small_tmpfs / "dataset", CONTRACT, 3)
+        ing = Ingestor(ledger, HeldDir.open(spool), small_tmpfs / "dataset", CONTRACT, 3)
         with pytest.raises(DiskFull):
             ing.ingest(path.name)
         assert path.exists()

@@ -19,6 +19,7 @@ from eagle3d.daemon.ingest import Ingestor, remove_dataset_debris
 from eagle3d.daemon.spool import Spool
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.safepath import HeldDir
 
 H = 16
 CONTRACT = {"fingerprint": "c" * 32, "hidden_size": H, "dtype": "bfloat16"}
@@ -55,7 +56,7 @@ def env(tmp_path):
                                      b"\1" * (8 + i)))
     ledger.add_planned(samples, [], {})
     ledger.claim(100, 10_000)
-    ing = Ingestor(ledger, spool, tmp_path / "dataset", CONTRACT, max_attempts=3)
+    ing = Ingestor(ledger, HeldDir.open(spool), tmp_path / "dataset", CONTRACT, max_attempts=3)
     yield ing, ledger, spool, samples
     ledger.close()
     shutil.rmtree(spool, ignore_errors=True)

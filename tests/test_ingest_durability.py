@@ -23,6 +23,7 @@ from eagle3d.daemon.ingest import Ingestor
 from eagle3d.daemon.verify_stage import VerifyRunner
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.safepath import HeldDir
 from tests.conftest import make_config
 from tests.test_ingest import CONTRACT, sample_ids, write
 
@@ -42,7 +43,8 @@ def plan(ledger: Ledger, n: int, tokens: int) -> list[PlannedSample]:
 
 
 def ingest_all(ingestor: Ingestor, samples: list[PlannedSample]) -> list[str]:
-    return [ingestor.ingest(write(ingestor.spool, s.id, s.input_ids).name).kind for s in samples]
+    spool = ingestor.spool.path
+    return [ingestor.ingest(write(spool, s.id, s.input_ids).name).kind for s in samples]
 
 
 def delalloc(path: Path) -> bool:
@@ -101,14 +103,14 @@ def test_a_group_sync_puts_what_ingest_wrote_on_disk(tmp_path, spool, every_byte
             samples = plan(ledger, 2, 4000)
             (mount / "dataset").mkdir()
             group = GroupSync(mount / "dataset", every_bytes=NEVER, every_s=float("inf"))
-            lazy = Ingestor(ledger, spool, mount / "dataset", CONTRACT, 3, group)
+            lazy = Ingestor(ledger, HeldDir.open(spool), mount / "dataset", CONTRACT, 3, group)
             assert ingest_all(lazy, samples[:1]) == ["ingested"]
             first = mount / "dataset" / ledger.sample(samples[0].id).path
             assert group.syncs == 0 and delalloc(first)  # ingest did not wait for the disk
             del lazy, group  # closes its handle, so the file system can be unmounted
 
             group = GroupSync(mount / "dataset", every_bytes=every_bytes, every_s=every_s)
-            eager = Ingestor(ledger, spool, mount / "dataset", CONTRACT, 3, group)
+            eager = Ingestor(ledger, HeldDir.open(spool), mount / "dataset", CONTRACT, 3, group)
             assert ingest_all(eager, samples[1:]) == ["ingested"]
             second = mount / "dataset" / ledger.sample(samples[1].id).path
             assert group.syncs == 1
@@ -132,7 +134,7 @@ def test_verify_marks_verified_only_what_reached_the_disk(tmp_path, spool, monke
             samples = plan(ledger, 4, DUMP_TOKENS)  # ~32 MB: more than the thin disk holds
             cfg.paths.dataset_dir.mkdir()
             verify_sync = SyncFs(cfg.paths.dataset_dir)  # opened at start, as the daemon does
-            ingestor = Ingestor(ledger, spool, cfg.paths.dataset_dir, CONTRACT, 3)
+            ingestor = Ingestor(ledger, HeldDir.open(spool), cfg.paths.dataset_dir, CONTRACT, 3)
             assert ingest_all(ingestor, samples) == ["ingested"] * 4  # the page cache took it all
             with caplog.at_level(logging.ERROR, logger="eagle3d"):
                 VerifyRunner(cfg, ledger_path, CONTRACT, verify_sync)._run()
@@ -160,7 +162,7 @@ def test_a_failed_group_sync_during_ingest_is_reported_and_ingest_goes_on(tmp_pa
             (mount / "dataset").mkdir()
             # Synced once, after the fourth dump: more than the thin disk holds.
             group = GroupSync(mount / "dataset", every_bytes=30_000_000, every_s=float("inf"))
-            ingestor = Ingestor(ledger, spool, mount / "dataset", CONTRACT, 3, group)
+            ingestor = Ingestor(ledger, HeldDir.open(spool), mount / "dataset", CONTRACT, 3, group)
             with caplog.at_level(logging.ERROR, logger="eagle3d"):
                 assert ingest_all(ingestor, samples) == ["ingested"] * 4
             assert group.syncs == 1
@@ -188,7 +190,7 @@ def test_after_a_lost_write_back_verify_reads_the_disk_not_the_page_cache(tmp_pa
             ledger.event("daemon_started", "pid 100")
             verify_sync = SyncFs(dataset)
             group = GroupSync(dataset, every_bytes=NEVER, every_s=float("inf"))
-            ingestor = Ingestor(ledger, spool, dataset, CONTRACT, 3, group)
+            ingestor = Ingestor(ledger, HeldDir.open(spool), dataset, CONTRACT, 3, group)
             assert ingest_all(ingestor, samples[:2]) == ["ingested"] * 2
             assert group.flush(ledger)  # these two are on the disk
             assert ingest_all(ingestor, samples[2:]) == ["ingested"] * 2  # more than it holds

@@ -8,6 +8,8 @@ import pwd
 import shutil
 import socket
 import subprocess
+import time
+import uuid
 from pathlib import Path
 from typing import NamedTuple
 
@@ -158,3 +160,124 @@ def test_a_spool_folder_another_user_made_first_is_refused_naming_its_owner(
         assert list(root.iterdir()) == []
     finally:
         shutil.rmtree(root)
+
+
+@pytest.fixture
+def sticky_spool(config_factory):
+    """A config whose spool lies in a folder like /dev/shm itself: root's, mode 1777, where
+    every local user may create names (and rename only their own)."""
+    parent = Path("/dev/shm") / f"eagle3d-sticky-{uuid.uuid4().hex[:8]}"
+    parent.mkdir()
+    parent.chmod(0o1777)
+    config = config_factory({"paths": {"spool_dir": str(parent / "spool")},
+                             "extract": {"max_inflight_samples": 4, "rescan_interval_s": 0.1},
+                             "verify": {"spot_checks": 0}})
+    yield config
+    shutil.rmtree(parent)
+
+
+def _swap(intruder: Intruder, spool: Path, swap: str, victim: Path, forged: Path) -> None:
+    """The spool goes (an operator's rm, a tmpfs cleaner: in a sticky folder no one else can
+    rename it), and another user puts their own thing under its name before the daemon looks
+    again: a link to a folder of the daemon's user, or a folder of theirs with forged dumps."""
+    os.rename(spool, spool.with_name("spool.gone"))
+    if swap == "link":
+        made = intruder.run(["ln", "-s", str(victim), str(spool)])
+    else:
+        made = intruder.run(["cp", "-r", str(forged), str(spool)])
+    assert made.returncode == 0, made.stderr
+
+
+def extracted_ids(ledger: Ledger) -> set[str]:
+    return {s.id for s in ledger.samples() if s.status in ("extracted", "verified")}
+
+
+@pytest.mark.parametrize("swap", ["link", "folder"])
+def test_a_spool_another_user_swaps_under_the_daemon_is_never_followed(
+        tmp_path, intruder, sticky_spool, swap):
+    """The daemon holds the spool it checked: after the swap it deletes and moves nothing in
+    the folder the link names (a dead temp's name, a dump's name), reads no forged dump, and
+    status says the spool was replaced under it, without following it."""
+    from eagle3d.daemon.reconcile import Daemon
+    from eagle3d.statemachine.atomic import HOST
+    from tests.pipeline import status, wait_for
+    from tests.test_extract_stage import FakeEngine, plan
+    from tests.test_ingest import write
+    cfg = load_config(sticky_spool)
+    spool = cfg.paths.spool_dir
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, spool):
+        folder.mkdir(parents=True, mode=0o700)
+    fingerprint = plan(cfg, 10)["fingerprint"]
+    ledger = Ledger(layout.ledger(cfg.paths.state_dir))
+    engines: list[FakeEngine] = []
+    daemon = Daemon(cfg, engine_factory=lambda cfg, pid_dir, doc: engines.append(
+        FakeEngine(fingerprint, ledger)) or engines[-1])
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    victim = tmp_path / "victim"  # a folder of the daemon's own user, anywhere
+    victim.mkdir()
+    victims = [victim / f".notes.{HOST}.{gone.pid}.tmp", victim / f"{'f' * 32}.safetensors"]
+    for path in victims:
+        path.write_text("the daemon user's own file\n")
+    forged = spool.with_name("forged")  # readable by the intruder, who copies it
+    forged.mkdir(mode=0o755)
+    for sid, (ids, *_) in ledger.plan_tokens([s.id for s in ledger.samples()]).items():
+        write(forged, sid, ids, contract=fingerprint).chmod(0o644)
+    daemon.recover()
+    try:
+        wait_for(lambda: daemon.tick() or ledger.counts().get("extracted") >= 4, 60,
+                 "the first batch ingested")
+        engines[0].hold = True  # a batch in flight, its dumps not yet written
+        # What may still be ingested: the dumps the engine wrote into the spool held (listed
+        # first: ingest moves a dump from there to the ledger's extracted).
+        genuine = {p.name.removesuffix(".safetensors") for p in spool.glob("*.safetensors")}
+        genuine |= extracted_ids(ledger)
+        _swap(intruder, spool, swap, victim, forged)
+        deadline = time.monotonic() + 1.0  # ten rescans: what the old code would have followed
+        wait_for(lambda: daemon.tick() or time.monotonic() > deadline, 10, "ten rescans", 0.05)
+        assert all(p.read_text() == "the daemon user's own file\n" for p in victims)
+        assert sorted(p.name for p in victim.iterdir()) == sorted(p.name for p in victims)
+        if swap == "folder":
+            assert sorted(p.name for p in spool.iterdir()) == \
+                sorted(p.name for p in forged.iterdir())
+            assert all(p.stat().st_uid == intruder.uid for p in spool.iterdir())
+        assert not ledger.events_of(("rejected",))
+        st = wait_for(lambda: daemon.tick() or (lambda st: st["stage"] == "failed" and st)(
+            status(sticky_spool)), 20, "a failed stage in status")
+        assert f"the spool {spool} was replaced under the daemon" in st["reason"], st
+    finally:
+        daemon.shutdown()
+    assert extracted_ids(ledger) <= genuine < {s.id for s in ledger.samples()}
+    ledger.close()
+
+
+def test_a_spool_another_user_replaced_before_its_first_use_is_never_opened(
+        tmp_path, intruder, sticky_spool):
+    """Between the start's checks and the spool's first use (the plan, minutes) the spool goes
+    and another user's link takes its name: extraction stops, naming it, and the folder the
+    link names is never listed, written or deleted in."""
+    from eagle3d.daemon.extract_stage import ExtractStage
+    from eagle3d.statemachine.atomic import HOST
+    from eagle3d.statemachine.stages import Seen
+    from tests.test_extract_stage import EXTRACT, plan
+    cfg = load_config(sticky_spool)
+    spool = cfg.paths.spool_dir
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, spool.parent):
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+    plan(cfg, 2)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    dead_temp = victim / f".notes.{HOST}.999999999.tmp"
+    dead_temp.write_text("kept\n")
+    made = intruder.run(["ln", "-s", str(victim), str(spool)])
+    assert made.returncode == 0, made.stderr
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, lambda *a: pytest.fail("engine"))
+        try:
+            stage.step(EXTRACT)
+            blocked = stage.observe(Seen(ledger.counts(), None))["blocked"]
+            assert f"cannot open the folder {spool}" in blocked, blocked
+            time.sleep(0.3)
+        finally:
+            stage.stop(time.monotonic() + 10)
+    assert [p.name for p in victim.iterdir()] == [dead_temp.name]
