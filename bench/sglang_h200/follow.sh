@@ -2,9 +2,10 @@
 # Follows a run that outlasts one device command (run.sh under setsid/nohup, output in
 # WORK/run.log): every 20 s it rewrites DEST/follow.txt (each arm's `eagle3ctl status` with its
 # exit code, the logs' tails, disk and GPU use) and copies each arm's training metrics and the
-# summaries so far, until every arm started has its summary or SECONDS have passed. DEST is the
-# device command's $OUT, so a command cut off by its time limit still brings back the latest; five
-# files at most, because a device command brings back only a few.
+# summaries so far, until every arm started has its summary (and the ttt step is done) or SECONDS
+# have passed. DEST is the device command's $OUT, so a command cut off by its time limit still
+# brings back the latest; seven files at most, because a device command brings back eight: with
+# the ttt step, its second arm's curve and WORK/out as results.tgz (evaluations, logs).
 #   bench/sglang_h200/follow.sh WORK SECONDS DEST
 set -uo pipefail
 here=$(dirname "$(realpath "$0")"); work=$(realpath "$1"); dest=$3
@@ -21,6 +22,9 @@ report() {
   done
   echo "== run.log"; grep -v "POST /generate" "$work/run.log" 2>/dev/null | tail -n 30
   echo "== target.log"; grep -v "POST /generate" "$work/out/target.log" 2>/dev/null | tail -n 30
+  for log in "$work"/out/ttt?.log "$work"/out/ttt?-train.log "$work/out/graphs.log"; do
+    [ -e "$log" ] && { echo "== $(basename "$log")"; tail -n 12 "$log"; }
+  done
   echo "== disk"; df -h "$work" /dev/shm
   echo "== gpu"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
 }
@@ -29,12 +33,24 @@ while :; do
   for arm in pipeline target; do
     [ -e "$work/$arm/train/metrics.jsonl" ] && cp "$work/$arm/train/metrics.jsonl" "$dest/$arm-metrics.jsonl"
   done
+  # The ttt step's second arm: its curve, and every figure and log so far in one file.
+  for m in "$work"/ttt?/train/metrics.jsonl; do
+    [ -e "$m" ] && cp "$m" "$dest/$(basename "$(dirname "$(dirname "$m")")")-metrics.jsonl"
+  done
+  # (target.log, the daemon's output with SGLang's, is in follow.txt's tail; tar exits 1 when a
+  # file changed while read, which leaves a usable archive.)
+  if [ -e "$work/out/ttt.started" ]; then
+    tar czf "$dest/results.tgz.tmp" -C "$work/out" --exclude ./target.log . 2>/dev/null
+    [ $? -le 1 ] && mv "$dest/results.tgz.tmp" "$dest/results.tgz"
+  fi
   started=0 finished=1
   for arm in pipeline target; do
     [ -e "$work/$arm/sglang.toml" ] || continue
     started=1
     if [ -e "$work/out/$arm.json" ]; then cp "$work/out/$arm.json" "$dest/"; else finished=0; fi
   done
+  # The ttt step ends after its arms' trees and the graph probe.
+  [ -e "$work/out/ttt.started" ] && [ ! -e "$work/out/ttt.done" ] && finished=0
   [ $started = 1 ] && [ $finished = 1 ] && break
   [ $SECONDS -ge $end ] && break
   sleep 20

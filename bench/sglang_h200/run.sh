@@ -18,13 +18,23 @@
 #   tree      the last run's drafter (target's where that step ran, else pipeline's) evaluated
 #             with SGLang's tree setting for Llama (5 steps, top-k 4, 8 draft tokens) and a chain
 #             of 3, beside the run's own chain of 4: WORK/out/eval-tree.json, eval-chain3.json
+#   ttt       TTT_STEPS (default 3) against TTT_B (default 5) at equal steps on one dataset: the
+#             target step (the daemon trains TTT_STEPS and evaluates it), and beside it, once the
+#             daemon's trainer has started on the verified set, a second trainer on the same
+#             dataset and [train] settings but ttt_steps = TTT_B (WORK/ttt$TTT_B, the daemon's
+#             config with its own train folder); each then evaluated with the daemon's chain
+#             ([eval]) and SGLang's tree 5/4/8: WORK/out/target.json (the daemon's summary),
+#             eval-ttt$TTT_B-chain.json, eval-tree.json, eval-ttt$TTT_B-tree.json; beside the
+#             trees, graph_probe.py on the daemon's drafter (decode CUDA graphs, WORK/out/graphs/)
+#   graphs    graph_probe.py on the last run's drafter: do plain, chain and tree servers start
+#             with decode CUDA graphs? Each server's log in WORK/out/graphs/
 #   serve     the exported drafter (target's where that step ran, else pipeline's) served by
 #             SGLang as an EAGLE-3 draft beside plain SGLang (serve.py), bf16
 #   serve-f32 the same in float32 (the target's greedy decoding, near-ties included)
 #   kernels   smoke and mla again with SGLang's own fused kernels instead of native torch ops:
 #             flashinfer's JIT sources from $FI_DATA (build_bundle.sh's fi-data.tar.xz)
 # pipeline.sh's LIMIT, EVAL_TOKENS, GEN_BATCH, EPOCHS, MAX_STEPS, INTERMEDIATE_SIZE, DUMP_DTYPE,
-# LOSS_ON, TTT_STEPS, ANSWERS and TEMPERATURE pass through. At full scale (17,671 conversations: LIMIT=17600, a fresh WORK) a step outlasts
+# LOSS_ON, TTT_STEPS, ANSWERS and TEMPERATURE pass through; TTT_B is the ttt step's second arm. At full scale (17,671 conversations: LIMIT=17600, a fresh WORK) a step outlasts
 # one 10-minute device command: start it under setsid/nohup with its output in a file, and
 # follow that file in the next commands (docs/sglang.md).
 set -euo pipefail
@@ -53,6 +63,26 @@ evaluate() {  # NAME ARG...: the last run's drafter, eagle3d.drafter.evaluate's 
   python3 -m eagle3d.drafter.evaluate -c "$work/$(last_run)/sglang.toml" "${@:2}" \
     --out "$work/out/eval-$1.json" | tail -n 4
 }
+probe() {  # decode CUDA graphs with the last run's drafter (graph_probe.py), logs in WORK/out/graphs
+  ( cd "$here" && python3 graph_probe.py "$work/$(last_run)/sglang.toml" "$work/out/graphs" \
+      "${SERVER_ARGS[@]}" )
+}
+second_arm() {  # B: the daemon's target config with ttt_steps = B and its own train folder
+  local b=$work/ttt$1
+  mkdir -p "$b"
+  sed -e "s|^train_dir = .*|train_dir = \"$b/train\"|" -e "s|^ttt_steps = .*|ttt_steps = $1|" \
+    "$work/target/sglang.toml" > "$b/sglang.toml"
+  echo "== ttt$1 training $(date -u +%H:%M:%S)"
+  python3 -m torch.distributed.run --standalone --nproc_per_node=1 -m eagle3d.drafter.train \
+    -c "$b/sglang.toml" > "$work/out/ttt$1-train.log" 2>&1
+  echo "== ttt$1 chain $(date -u +%H:%M:%S)"
+  python3 -m eagle3d.drafter.evaluate -c "$b/sglang.toml" --out "$work/out/eval-ttt$1-chain.json" \
+    | tail -n 4
+  echo "== ttt$1 tree $(date -u +%H:%M:%S)"
+  python3 -m eagle3d.drafter.evaluate -c "$b/sglang.toml" --steps 5 --topk 4 \
+    --num-draft-tokens 8 --out "$work/out/eval-ttt$1-tree.json" | tail -n 4
+  echo "== ttt$1 done $(date -u +%H:%M:%S)"
+}
 mla_model() {  # the random DeepSeek-V3 model, with SmolLM2's tokenizer, made once
   [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
 }
@@ -72,6 +102,19 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
     target) arm target 30556 ;;
     both) arm target 30556 > "$work/out/target.log" 2>&1 & target=$!
       arm pipeline 30555; wait $target ;;
+    ttt) b=${TTT_B:-5}; touch "$work/out/ttt.started"
+      arm target 30556 > "$work/out/target.log" 2>&1 & daemon=$!
+      # The daemon's trainer starts only on a manifest that names the whole verified set.
+      until [ -e "$work/target/train/progress.json" ]; do
+        kill -0 $daemon 2>/dev/null || { wait $daemon; exit 1; }; sleep 5
+      done
+      second_arm "$b" > "$work/out/ttt$b.log" 2>&1 & second=$!
+      wait $daemon; echo "== target done $(date -u +%H:%M:%S)"
+      probe > "$work/out/graphs.log" 2>&1 & graphs=$!
+      evaluate tree --steps 5 --topk 4 --num-draft-tokens 8
+      echo "== target tree done $(date -u +%H:%M:%S)"
+      wait $second; wait $graphs || true; touch "$work/out/ttt.done" ;;
+    graphs) probe ;;
     compare) python3 -m eagle3d.capture.sglang_smoke --dataset "$work/pipeline/sglang.toml" \
         --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
     tree) evaluate tree --steps 5 --topk 4 --num-draft-tokens 8

@@ -65,7 +65,8 @@ def post(port: int, path: str, body: dict | None = None) -> dict:
 
 
 @contextlib.contextmanager
-def server(model: Path, port: int, flags: list[str], log: Path) -> Iterator[float]:
+def server(model: Path, port: int, flags: list[str], log: Path,
+           deadline_s: float = 600) -> Iterator[float]:
     """A running SGLang server; yields the slowest of four /health answers once it serves."""
     env = {k: v for k, v in os.environ.items() if k != "EAGLE3D_SPOOL"}  # plain serving
     argv = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model),
@@ -74,7 +75,7 @@ def server(model: Path, port: int, flags: list[str], log: Path) -> Iterator[floa
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + deadline_s
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"server did not come up: see {log}")
