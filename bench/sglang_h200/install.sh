@@ -11,6 +11,7 @@ tar xJf "$bundle/sk.tar.xz" -C "$site"
 tar xJf "$bundle/fi.tar.xz" -C "$site"
 cp -r "$here"/native_ops/. "$site"/
 python3 "$here/patch_sglang.py" "$site"
-# eagle3d itself, so that SGLang finds the capture plugin's entry point.
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
+# eagle3d itself, so that SGLang finds the capture plugin's entry point, built with the bundle's
+# setuptools (the machine's may be older than eagle3d's pyproject.toml needs).
+python3 -m pip install -q --no-index --find-links "$bundle/build" --no-deps --no-compile --upgrade \
   --target "$site" "$here/../.."
