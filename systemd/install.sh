@@ -3,8 +3,10 @@
 #   /opt/eagle3d                        a venv with eagle3d (+ the engine and SGLang extras)
 #   /etc/eagle3d/eagle3d.toml           the config, from etc/eagle3d.toml; an existing one is
 #                                       never overwritten (the new template goes beside it, .new)
-#   /etc/systemd/system/eagle3d.service the unit
-#   /etc/tmpfiles.d/eagle3d.conf        the spool /dev/shm/eagle3d, the service's before anyone's
+#   /usr/lib/systemd/system/eagle3d.service  the unit, in the distribution's unit folder
+#                                       (systemd/paths.sh); overrides go in drop-ins under
+#                                       /etc/systemd/system/eagle3d.service.d/
+#   /usr/lib/tmpfiles.d/eagle3d.conf    the spool /dev/shm/eagle3d, the service's before anyone's
 #   /data/eagle3d/{dataset,train}       the folders the unit lets the service write
 #   /usr/local/bin/eagle3ctl            the status tool, linked from the venv
 #   user and group eagle3d              the service's own, with the GPU device groups
@@ -14,6 +16,7 @@
 set -euo pipefail
 
 SRC=$(cd "$(dirname "$0")/.." && pwd)
+source "$SRC/systemd/paths.sh"
 DESTDIR=${DESTDIR:-}
 PYTHON=${PYTHON:-python3}
 EXTRAS=${EXTRAS:-engine,sglang}
@@ -67,8 +70,9 @@ for dir in "${DATA_DIRS[@]}"; do
 done
 
 install -D -m 0644 "$SRC/docs/operations.md" "$DESTDIR$VENV/share/doc/eagle3d/operations.md"
-install -D -m 0644 "$SRC/systemd/eagle3d.service" "$DESTDIR/etc/systemd/system/eagle3d.service"
-install -D -m 0644 "$SRC/systemd/eagle3d-tmpfiles.conf" "$DESTDIR/etc/tmpfiles.d/eagle3d.conf"
+install -D -m 0644 "$SRC/systemd/eagle3d.service" "$DESTDIR$UNIT_DIR/eagle3d.service"
+install -D -m 0644 "$SRC/systemd/eagle3d-tmpfiles.conf" "$DESTDIR$TMPFILES_DIR/eagle3d.conf"
+remove_legacy "$DESTDIR"
 # eagle3ctl on the operators' PATH; the daemon itself is started by the unit only.
 install -d "$DESTDIR/usr/local/bin"
 ln -sfn "$VENV/bin/eagle3ctl" "$DESTDIR/usr/local/bin/eagle3ctl"
@@ -78,7 +82,7 @@ if ! staging && [[ -d /run/systemd/system ]]; then
 fi
 if ! staging; then
     # The spool now, not at the next boot: a local user cannot take the name meanwhile.
-    systemd-tmpfiles --create /etc/tmpfiles.d/eagle3d.conf
+    systemd-tmpfiles --create eagle3d.conf
 fi
 echo "eagle3d installed. New install: edit $CONFIG_DIR/eagle3d.toml, then"
 echo "  systemctl enable --now eagle3d"

@@ -7,6 +7,7 @@
 set -euo pipefail
 
 DESTDIR=${DESTDIR:-}
+source "$(cd "$(dirname "$0")" && pwd)/paths.sh"
 
 if [[ -z $DESTDIR && $(id -u) != 0 ]]; then
     echo "uninstall.sh: run as root (sudo make uninstall)" >&2
@@ -17,8 +18,8 @@ if [[ -z $DESTDIR && -d /run/systemd/system ]]; then
     # Stops the daemon (and with it the engine and trainer) before its files go.
     systemctl disable --now eagle3d.service || true
 fi
-rm -f "$DESTDIR/etc/systemd/system/eagle3d.service"
-rm -f "$DESTDIR/etc/tmpfiles.d/eagle3d.conf"
+rm -f "$DESTDIR$UNIT_DIR/eagle3d.service" "$DESTDIR$TMPFILES_DIR/eagle3d.conf"
+remove_legacy "$DESTDIR"
 rm -f "$DESTDIR/usr/local/bin/eagle3ctl"
 rm -rf "$DESTDIR/opt/eagle3d"
 # The spool of the production config: dumps not yet ingested, which the ledger has put back to

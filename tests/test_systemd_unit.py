@@ -115,8 +115,7 @@ def test_the_spool_is_the_services_before_the_daemon_starts_whoever_made_it_firs
     the service's, mode 0700, before each start. Run for real (on a test folder, for root) after
     another user made the folder first, world-writable: it is root's and 0700 afterwards."""
     svc = directives(UNIT)["Service"]
-    assert svc["ExecStartPre"] == ["+/usr/bin/systemd-tmpfiles --create "
-                                   "/etc/tmpfiles.d/eagle3d.conf"]
+    assert svc["ExecStartPre"] == ["+/usr/bin/systemd-tmpfiles --create eagle3d.conf"]
     lines = [line.split() for line in TMPFILES.read_text().splitlines()
              if line.strip() and not line.startswith("#")]
     spool = tomllib.loads(TEMPLATE.read_text())["paths"]["spool_dir"]
@@ -148,6 +147,14 @@ def test_a_single_node_unit_takes_no_packet_from_another_machine():
     assert "[Service]\nIPAddressAllow=10.0.0.0/8" in docs
 
 
+def vendor_paths(root: Path) -> tuple[Path, Path]:
+    """The unit and tmpfiles entry in the distribution's folders under `root` (paths.sh)."""
+    out = subprocess.run(["bash", "-c", "source systemd/paths.sh; echo $UNIT_DIR $TMPFILES_DIR"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    assert out[0].endswith("/systemd/system") and not out[0].startswith("/etc"), out
+    return root / out[0].lstrip("/") / "eagle3d.service", root / out[1].lstrip("/") / "eagle3d.conf"
+
+
 def make(target: str, destdir: Path) -> subprocess.CompletedProcess:
     return subprocess.run(["make", "-s", target, f"DESTDIR={destdir}"], cwd=REPO,
                           capture_output=True, text=True, timeout=120, check=True)
@@ -156,9 +163,13 @@ def make(target: str, destdir: Path) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_install_keeps_an_edited_config_and_uninstall_keeps_the_data(tmp_path):
     root = tmp_path / "root"
+    legacy = root / "etc/systemd/system/eagle3d.service"  # an earlier install's, overriding
+    legacy.parent.mkdir(parents=True)
+    legacy.write_text(UNIT.read_text())
     make("install", root)
-    assert (root / "etc/systemd/system/eagle3d.service").read_text() == UNIT.read_text()
-    assert (root / "etc/tmpfiles.d/eagle3d.conf").read_text() == TMPFILES.read_text()
+    assert not legacy.exists()
+    unit, tmpfiles = vendor_paths(root)
+    assert unit.read_text() == UNIT.read_text() and tmpfiles.read_text() == TMPFILES.read_text()
     config = root / "etc/eagle3d/eagle3d.toml"
     assert config.read_text() == TEMPLATE.read_text()
     assert config.stat().st_mode & 0o777 == 0o640  # the dataset's location is not world-readable
@@ -176,8 +187,7 @@ def test_install_keeps_an_edited_config_and_uninstall_keeps_the_data(tmp_path):
 
     (root / "data/eagle3d/dataset/shard-000").mkdir()
     make("uninstall", root)
-    assert not (root / "etc/systemd/system/eagle3d.service").exists()
-    assert not (root / "etc/tmpfiles.d/eagle3d.conf").exists()
+    assert not unit.exists() and not tmpfiles.exists()
     assert not (root / "opt/eagle3d").exists()
     assert not os.path.lexists(root / "usr/local/bin/eagle3ctl")
     assert config.read_text() == edited
