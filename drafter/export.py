@@ -76,19 +76,23 @@ def export_tensors(model: Eagle3Drafter, vocab: DraftVocab) -> dict[str, torch.T
 
 def export(model: Eagle3Drafter, vocab: DraftVocab, contract: dict[str, Any],
            out_dir: Path, ttt_steps: int) -> Path:
+    """Write `out_dir` (config.json, model.safetensors) in SGLang's layout."""
+    config = sglang_config(model.cfg, contract["layer_ids"], contract["architecture"], ttt_steps)
+    return write_folder(Path(out_dir), config, export_tensors(model, vocab))
+
+
+def write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
     """Write `out_dir` (config.json, model.safetensors) atomically: built in a temp folder and
     renamed into place, so a reader sees the old export or the new one."""
-    out_dir = Path(out_dir)
-    config = sglang_config(model.cfg, contract["layer_ids"], contract["architecture"], ttt_steps)
-    # What a killed export left (another pid's temp or old folder): one trainer exports here.
+    # What a killed export left (another pid's temp or old folder): one writer exports here.
     for stale in out_dir.parent.glob(f".{out_dir.name}.*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True)
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(export_tensors(model, vocab), str(tmp / WEIGHTS), metadata={"format": "pt"})
-    share_with_group(tmp / WEIGHTS)  # safetensors writes it for its owner alone: SGLang's
-    # server, run by an operator of the service's group, reads it
+    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    share_with_group(tmp / WEIGHTS)  # safetensors writes it for its owner alone: the serving
+    # engine, run by an operator of the service's group, reads it
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
