@@ -23,6 +23,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file
+from speculators import SpeculatorsConfig, VerifierConfig
+from speculators.models.eagle3 import Eagle3SpeculatorConfig
+from speculators.proposals.greedy import GreedyTokenProposalConfig
+from transformers import LlamaConfig
 
 from eagle3d.drafter.export import CONFIG, WEIGHTS, write_folder
 from eagle3d.statemachine.entry import Refusal
@@ -78,11 +82,6 @@ def layer_config(sglang: dict[str, Any]) -> dict[str, Any]:
 
 def speculators_config(sglang: dict[str, Any], verifier: str) -> dict[str, Any]:
     """config.json, built by speculators' own classes from SGLang's config.json."""
-    from speculators import SpeculatorsConfig, VerifierConfig
-    from speculators.models.eagle3 import Eagle3SpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from transformers import LlamaConfig
-
     ours = sglang["eagle3d"]
     layer = layer_config(sglang)
     legacy_rope = ("rope_theta", "rope_scaling")  # transformers 5 folds them into
@@ -123,3 +122,11 @@ def export_speculators(sglang_dir: Path, out_dir: Path, verifier: str) -> Path:
         raise Refusal(f"no speculators export of {sglang_dir}: {why}")
     return write_folder(Path(out_dir), speculators_config(sglang, verifier),
                         speculators_tensors(tensors))
+
+
+def serve_hint(out_dir: Path) -> str:
+    """vLLM's option for this export (not run here: vLLM does not run on these machines)."""
+    config = json.loads((Path(out_dir) / CONFIG).read_text())
+    steps = config["speculators_config"]["proposal_methods"][0]["speculative_tokens"]
+    spec = {"method": "eagle3", "model": str(out_dir), "num_speculative_tokens": steps}
+    return f"--speculative-config '{json.dumps(spec)}'"
