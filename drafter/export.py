@@ -159,8 +159,8 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     try:
         from eagle3d.drafter.export_speculators import export_speculators, serve_hint
     except ImportError as exc:
-        raise Refusal(f"the speculators format needs speculators 0.9 ({exc}); README \"Serve "
-                      f"the drafter\" says how to install it") from None
+        raise Refusal(f"the speculators format needs speculators 0.9 ({exc}); "
+                      f"docs/operations.md \"Serve with vLLM\" says how to install it") from None
     out = export_speculators(source, args.out or layout.speculators_export_dir(
         cfg.paths.train_dir), str(cfg.target.model_path))
     print(f"{out}  (vLLM: {serve_hint(out)})")

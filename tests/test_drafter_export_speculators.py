@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-pytest.importorskip("speculators", reason="speculators is not installed (README \"Serve the "
-                                          "drafter\" says how)")
+pytest.importorskip("speculators", reason="speculators is not installed (docs/operations.md "
+                                          "\"Serve with vLLM\" says how)")
 from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig  # noqa: E402
 from transformers import LlamaConfig  # noqa: E402
 
