@@ -49,8 +49,9 @@ NUM_AUX_HIDDEN_STATES = 3  # fc reads 3·H: the contract's three layers
 
 def refusal(config: dict[str, Any], names: set[str]) -> str | None:
     """Why this SGLang export has no faithful speculators form, or None."""
-    if "eagle3d" not in config:
-        return "the export names neither its contract's layer ids nor ttt_steps: train again"
+    if "ttt_steps" not in config.get("eagle3d", {}):  # an export older than ttt_steps in it
+        return "the export does not name the ttt_steps it was trained with (an export of an " \
+               "older eagle3d): train it with this version"
     unknown = names - set(TOP_LEVEL) - set(LAYER_WEIGHTS)
     if unknown:
         return f"the export holds weights this format has no place for: {sorted(unknown)}"
