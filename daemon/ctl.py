@@ -476,6 +476,17 @@ def cmd_eval(cfg: Config, args: argparse.Namespace) -> int:
     return subprocess.call(argv)
 
 
+def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
+    """In a child: the export needs torch (and speculators for its format), eagle3ctl none."""
+    import subprocess
+    argv = [sys.executable, "-m", "eagle3d.drafter.export", "-c", str(cfg.path),
+            "--format", args.format]
+    for flag in ("drafter", "out"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag}", getattr(args, flag)]
+    return subprocess.call(argv)
+
+
 def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
     """The command of each process that runs the target: where the target writes the answers,
     the generate stage's first, each under a comment naming it."""
@@ -574,6 +585,14 @@ def _eval_args(s: argparse.ArgumentParser) -> None:
     s.add_argument("--json", action="store_true")
 
 
+def _export_args(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--format", choices=("sglang", "speculators"), required=True,
+                   help="SGLang's layout (what training writes) or speculators' (vLLM's)")
+    s.add_argument("--drafter", help="SGLang export to read (default: the current run's)")
+    s.add_argument("--out", help="folder to write (default: the current run's export, or "
+                                 "export-speculators beside it)")
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None]] = {
     "status": ("where the pipeline is (exit codes below)", _status_args),
     "check-config": ("validate the config file and say what a reload would do with it", None),
@@ -585,6 +604,8 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None] | None]
     "samples": ("list samples", _samples_args),
     "events": ("the ledger's event log, newest last", _events_args),
     "eval": ("measure a drafter's acceptance length with the real target", _eval_args),
+    "export": ("write the trained drafter in SGLang's or speculators' (vLLM's) format",
+               _export_args),
     "engine-command": ("print the exact command of each process that runs the target", None),
     "runs": ("every run (one per capture contract): target, stage, counts, bytes, drafter",
              lambda s: s.add_argument("--json", action="store_true")),
@@ -678,6 +699,8 @@ def run(argv: list[str]) -> int:
         return 1
     if args.command == "eval":
         return cmd_eval(cfg, args)
+    if args.command == "export":
+        return cmd_export(cfg, args)
     return cmd_engine_command(cfg, args)
 
 

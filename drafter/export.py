@@ -2,26 +2,36 @@
 llama_eagle3.py). Its loader silently skips names it does not know, so the names here are pinned
 by tests: `midlayer.*`, `fc.weight`, `norm.weight`, `lm_head.weight`, `d2t`, `t2d`. The token
 embedding is not exported: SGLang shares the target's.
+
+The trainer writes this export; `python -m eagle3d.drafter.export --format sglang|speculators`
+(what `eagle3ctl export` runs) copies it, or writes it in speculators' format for vLLM
+(drafter/export_speculators.py).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from eagle3d.target.layers import draft_config_layer_ids
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import DraftVocab
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import fsync_dir, share_with_group
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.entry import OK, Refusal, child_main
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
+FORMATS = ("sglang", "speculators")
 
 
 def sglang_config(cfg: DraftConfig, contract_layer_ids: list[int], target_architecture: str,
@@ -76,19 +86,23 @@ def export_tensors(model: Eagle3Drafter, vocab: DraftVocab) -> dict[str, torch.T
 
 def export(model: Eagle3Drafter, vocab: DraftVocab, contract: dict[str, Any],
            out_dir: Path, ttt_steps: int) -> Path:
+    """Write `out_dir` (config.json, model.safetensors) in SGLang's layout."""
+    config = sglang_config(model.cfg, contract["layer_ids"], contract["architecture"], ttt_steps)
+    return write_folder(Path(out_dir), config, export_tensors(model, vocab))
+
+
+def write_folder(out_dir: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> Path:
     """Write `out_dir` (config.json, model.safetensors) atomically: built in a temp folder and
     renamed into place, so a reader sees the old export or the new one."""
-    out_dir = Path(out_dir)
-    config = sglang_config(model.cfg, contract["layer_ids"], contract["architecture"], ttt_steps)
-    # What a killed export left (another pid's temp or old folder): one trainer exports here.
+    # What a killed export left (another pid's temp or old folder): one writer exports here.
     for stale in out_dir.parent.glob(f".{out_dir.name}.*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.{os.getpid()}.tmp")
     tmp.mkdir(parents=True)
     (tmp / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(export_tensors(model, vocab), str(tmp / WEIGHTS), metadata={"format": "pt"})
-    share_with_group(tmp / WEIGHTS)  # safetensors writes it for its owner alone: SGLang's
-    # server, run by an operator of the service's group, reads it
+    save_file(tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    share_with_group(tmp / WEIGHTS)  # safetensors writes it for its owner alone: the serving
+    # engine, run by an operator of the service's group, reads it
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -104,7 +118,6 @@ def export(model: Eagle3Drafter, vocab: DraftVocab, contract: dict[str, Any],
 def load_export(export_dir: Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Drafter, DraftVocab,
                                                                        dict[str, Any]]:
     """The drafter back from an export (what evaluate runs, so it tests the export itself)."""
-    from safetensors.torch import load_file
     config = json.loads((Path(export_dir) / CONFIG).read_text())
     cfg = DraftConfig(hidden_size=config["hidden_size"],
                       target_hidden_size=config["target_hidden_size"],
@@ -121,3 +134,43 @@ def load_export(export_dir: Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Dra
     model = Eagle3Drafter(cfg, embed_tokens)
     model.load_served_weights({k: v.float() for k, v in tensors.items()})
     return model.eval(), vocab, config
+
+
+def _arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--format", choices=FORMATS, required=True)
+    p.add_argument("--drafter", type=Path,
+                   help="the SGLang export to read (default: the current run's)")
+    p.add_argument("--out", type=Path, help="the folder to write (default: the current run's "
+                                            "export, export-speculators for speculators)")
+
+
+def _run(cfg: Config, args: argparse.Namespace) -> int:
+    source = args.drafter or layout.export_dir(cfg.paths.train_dir)
+    if not (source / CONFIG).exists():
+        raise Refusal(f"no exported drafter in {source}")
+    if args.format == "sglang":
+        out = args.out or source
+        if out.resolve() != source.resolve():
+            write_folder(out, json.loads((source / CONFIG).read_text()),
+                         load_file(str(source / WEIGHTS)))
+        print(f"{out}  (SGLang: --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+              f"{out})")
+        return OK
+    try:
+        from eagle3d.drafter.export_speculators import export_speculators, serve_hint
+    except ImportError as exc:
+        raise Refusal(f"the speculators format needs speculators 0.9 ({exc}); "
+                      f"docs/operations.md \"Serve with vLLM\" says how to install it") from None
+    out = export_speculators(source, args.out or layout.speculators_export_dir(
+        cfg.paths.train_dir), str(cfg.target.model_path))
+    print(f"{out}  (vLLM: {serve_hint(out)})")
+    return OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    return child_main("export", "The trained drafter in SGLang's or speculators' format.", _run,
+                      argv, _arguments)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -145,6 +145,12 @@ def export_dir(train_dir: Path) -> Path:
     return Path(train_dir) / "export"
 
 
+def speculators_export_dir(train_dir: Path) -> Path:
+    """The drafter in speculators' format, for vLLM (drafter/export_speculators.py), written by
+    `eagle3ctl export --format speculators`."""
+    return Path(train_dir) / "export-speculators"
+
+
 def checkpoint_dir(train_dir: Path) -> Path:
     """Training checkpoints (drafter/checkpoint.py)."""
     return Path(train_dir) / "checkpoints"

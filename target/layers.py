@@ -13,6 +13,11 @@ What SGLang does with explicit ids, read in sglang 0.5.14 and 0.5.23 (python/sgl
   (before 0.5.13 it always added 1).
 - kimi_k25.py `KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture` delegates to its
   `language_model`, a `DeepseekV3ForCausalLM`.
+
+vLLM reads `eagle_aux_hidden_state_layer_ids` from the draft's config as they are
+(gpu_model_runner.py `_get_eagle3_aux_layers_from_config`), and its model classes capture
+`hidden_states + residual` before running layer `idx` when `idx` is one of them (llama.py, and
+the shared `EagleModelMixin` of the other families): our convention, for every family.
 """
 
 from __future__ import annotations
@@ -34,13 +39,18 @@ def known_architecture(class_names: Iterable[str]) -> str | None:
     return None
 
 
+def _increasing(contract_ids: list[int]) -> list[int]:
+    ids = list(contract_ids)
+    if not ids or sorted(set(ids)) != ids:
+        raise ValueError(f"layer ids must be increasing and distinct, got {ids}")
+    return ids
+
+
 def sglang_layer_ids(contract_ids: list[int], target_architecture: str,
                      num_layers: int | None = None) -> list[int]:
     """The ids to pass to SGLang's `set_eagle3_layers_to_capture` on a target of
     `target_architecture` so that it captures exactly the contract's layers."""
-    ids = list(contract_ids)
-    if not ids or sorted(set(ids)) != ids:
-        raise ValueError(f"layer ids must be increasing and distinct, got {ids}")
+    ids = _increasing(contract_ids)
     if num_layers is not None and ids[-1] >= num_layers:
         # Capturing happens at a layer's input; nothing follows the last layer.
         raise ValueError(f"layer id {ids[-1]} does not enter any of the {num_layers} layers")
@@ -67,3 +77,13 @@ def draft_config_layer_ids(contract_ids: list[int], target_architecture: str) ->
     `target_architecture`, captures exactly the contract's layers. SGLang's model runner passes
     them to the same `set_eagle3_layers_to_capture` as the capture plugin does."""
     return sglang_layer_ids(contract_ids, target_architecture)
+
+
+def vllm_layer_ids(contract_ids: list[int]) -> list[int]:
+    """The ids to write into a speculators-format draft's config.json so that vLLM captures
+    exactly the contract's layers: the same ids (module docstring)."""
+    ids = _increasing(contract_ids)
+    if ids[0] < 1:
+        # Before layer 0 vLLM's residual is still None: there is nothing to add it to.
+        raise ValueError("vLLM cannot capture the embedding output (id 0)")
+    return ids

@@ -244,3 +244,50 @@ def test_both_programs_say_their_version():
         out = subprocess.run([venv_bin(program), "--version"], capture_output=True, text=True,
                              timeout=60)
         assert (out.returncode, out.stdout.strip()) == (0, f"{program} {VERSION}"), out.stderr
+
+
+def _write_drafter(train_dir: Path) -> Path:
+    """A small random drafter exported where the trainer exports (SGLang's layout)."""
+    import torch
+    from eagle3d.drafter.export import export
+    from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
+    from eagle3d.drafter.vocab import from_counts
+    cfg = DraftConfig(hidden_size=64, target_hidden_size=64, intermediate_size=128,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      rms_norm_eps=1e-5, max_position_embeddings=512, vocab_size=300,
+                      draft_vocab_size=100)
+    model = Eagle3Drafter(cfg, torch.zeros(300, 64))
+    return export(model, from_counts(torch.arange(300), 100),
+                  {"layer_ids": [2, 15, 27], "architecture": "LlamaForCausalLM"},
+                  layout.export_dir(train_dir), 4)
+
+
+def test_export_copies_the_drafter_and_refuses_without_one(config_factory, tmp_path):
+    config = config_factory()
+    refused = ctl(config, "export", "--format", "sglang", "--out", str(tmp_path / "copy"))
+    assert refused.returncode == 2 and "no exported drafter in" in refused.stderr
+    trained = _write_drafter(tmp_path / "train")
+    copied = ctl(config, "export", "--format", "sglang", "--out", str(tmp_path / "copy"))
+    assert copied.returncode == 0, copied.stderr
+    assert "--speculative-draft-model-path" in copied.stdout
+    from safetensors.torch import load_file
+    copy = tmp_path / "copy"
+    assert (copy / "config.json").read_text() == (trained / "config.json").read_text()
+    want, got = (load_file(str(d / "model.safetensors")) for d in (trained, copy))
+    assert want.keys() == got.keys() and all(want[k].equal(got[k]) for k in want)
+
+
+def test_export_writes_the_speculators_format_beside_the_sglang_export(config_factory, tmp_path):
+    """What a vLLM user runs: the export in speculators' format (proven against speculators'
+    own model in test_drafter_export_speculators.py) and the option vLLM takes for it."""
+    pytest.importorskip("speculators", reason="speculators is not installed")
+    config = config_factory()
+    _write_drafter(tmp_path / "train")
+    done = ctl(config, "export", "--format", "speculators")
+    assert done.returncode == 0, done.stderr
+    out = layout.speculators_export_dir(tmp_path / "train")
+    written = json.loads((out / "config.json").read_text())
+    assert written["speculators_model_type"] == "eagle3"
+    assert written["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert written["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert str(out) in done.stdout and '"num_speculative_tokens": 4' in done.stdout

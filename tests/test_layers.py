@@ -91,3 +91,11 @@ def test_a_subclass_uses_its_parents_convention():
     assert layers.known_architecture(["KimiK25ForConditionalGeneration", "Module"]) == \
         "KimiK25ForConditionalGeneration"
     assert layers.known_architecture(["GPT2LMHeadModel", "Module"]) is None
+
+
+def test_vllm_reads_the_contracts_ids_as_they_are_and_cannot_capture_the_embedding():
+    assert layers.vllm_layer_ids([2, 15, 27]) == [2, 15, 27]
+    with pytest.raises(ValueError, match="embedding"):
+        layers.vllm_layer_ids([0, 15, 27])
+    with pytest.raises(ValueError, match="increasing"):
+        layers.vllm_layer_ids([15, 2, 27])
