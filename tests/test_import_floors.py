@@ -1,0 +1,51 @@
+"""The floors of the layout (docs/architecture.md, "Layout"): every import of an eagle3d package
+points down, never up or sideways between capture and drafter. Read from the source with `ast`,
+so an import inside a function counts as much as one at the top."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# What each package may import of eagle3d, besides itself: the floors below it.
+MAY_IMPORT = {
+    "statemachine": set(),
+    "dataset": {"statemachine"},
+    "target": {"statemachine"},
+    "capture": {"statemachine", "dataset", "target"},
+    "drafter": {"statemachine", "dataset", "target"},
+    "daemon": {"statemachine", "dataset", "target", "capture"},
+}
+# Besides the floors: the daemon's process never holds torch or a model.
+HEAVY = {"torch", "transformers", "safetensors.torch", "numpy.linalg"}
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+    return found
+
+
+def test_every_import_points_down_the_floors():
+    wrong = []
+    for package, allowed in MAY_IMPORT.items():
+        for path in sorted((REPO / package).rglob("*.py")):
+            for line, module in imports(path):
+                parts = module.split(".")
+                if parts[0] == "eagle3d" and len(parts) > 1 and parts[1] != package \
+                        and parts[1] not in allowed:
+                    wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not wrong, "imports running up or across the floors:\n" + "\n".join(wrong)
+
+
+def test_the_daemons_modules_import_no_model_library():
+    """The daemon and eagle3ctl stay light: torch and transformers live in the children."""
+    wrong = [f"{path.relative_to(REPO)}:{line} imports {module}"
+             for path in sorted((REPO / "daemon").rglob("*.py"))
+             for line, module in imports(path) if module.split(".")[0] in HEAVY or module in HEAVY]
+    assert not wrong, "\n".join(wrong)
