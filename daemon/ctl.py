@@ -15,6 +15,8 @@ Exit codes (a monitor or a script branches on them):
   8  status on the training node of a sharded dataset: another shard is stale (its heartbeat
      older than a minute), stopped before it was done, failed or waiting for an operator (its
      line says which: "stale: no heartbeat for 3d 00h", "failed: ...")
+  9  status: running, but its loop fails and retries by itself: a condition, with its reason
+     and since when ("ledger locked since 10:41:07", a full state disk)
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def _bar(fraction: float, width: int = 30) -> str:
     fraction = min(max(fraction, 0.0), 1.0)
     full = int(fraction * width)
     return "[" + "#" * full + "." * (width - full) + f"] {fraction * 100:5.1f}%"
+
+
+def _clock(t: float) -> str:
+    """A wall-clock time of today, as status shows every "since"."""
+    return time.strftime('%H:%M:%S', time.localtime(t))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -113,6 +120,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["config_problem_since"] = state.get("config", {}).get("problem_since")
     out["metrics_problem"] = state.get("metrics", {}).get("problem")
     out["paused_by"] = state.get("paused_by")
+    out["condition"] = state.get("condition")
     d = state.get("daemon", {})
     age = time.time() - d["heartbeat"] if "heartbeat" in d else None
     alive = bool(d.get("alive") and d.get("pid") and age is not None and age < HEARTBEAT_STALE_S
@@ -158,6 +166,7 @@ WAITS_FOR_OPERATOR = 4
 EDIT_NOT_APPLIED = 5
 NEEDS_RESTART_CODE, RELOAD_REFUSED = 6, 7
 SHARD_DOWN = 8
+LOOP_CONDITION = 9
 
 
 def status_code(st: dict[str, Any]) -> int:
@@ -167,6 +176,8 @@ def status_code(st: dict[str, Any]) -> int:
         return NOT_RUNNING
     if st["stage"] == "failed":
         return FAILED
+    if st.get("condition"):
+        return LOOP_CONDITION
     if st.get("config_problem"):
         return EDIT_NOT_APPLIED
     if waits_for_operator(st):
@@ -179,7 +190,7 @@ def status_code(st: dict[str, Any]) -> int:
 def render_status(st: dict[str, Any]) -> str:
     s, t, d = st["samples"], st["tokens"], st["daemon"]
     lines = []
-    since = f" (since {time.strftime('%H:%M:%S', time.localtime(st['since']))})" if st.get("since") else ""
+    since = f" (since {_clock(st['since'])})" if st.get("since") else ""
     lines.append(f"stage     {st['stage']}{since}: {st['reason']}")
     if d["alive"]:
         lines.append(f"daemon    running, pid {d['pid']}, heartbeat {d['heartbeat_age_s']:.1f}s ago")
@@ -189,9 +200,14 @@ def render_status(st: dict[str, Any]) -> str:
                      f"{human_s(age)} ago)")
     else:
         lines.append("daemon    NOT RUNNING")
+    condition = st.get("condition")
+    if condition and d["alive"]:
+        lines.append(f"condition since {_clock(condition['since'])}, {condition['retries']} "
+                     f"failed ticks, next try in {condition['retry_in_s']:.0f} s: "
+                     f"{condition['reason']}")
     if st.get("config_problem"):
         since = st.get("config_problem_since")
-        lines.append("config    " + (f"since {time.strftime('%H:%M:%S', time.localtime(since))}: "
+        lines.append("config    " + (f"since {_clock(since)}: "
                                      if since else "") + st["config_problem"])
     if st.get("run"):
         from eagle3d.daemon.ctl_runs import run_line  # only where the daemon published runs
