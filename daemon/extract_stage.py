@@ -123,7 +123,7 @@ class ExtractStage:
                 or budgets.spool_pause(self.cfg, spooled + inflight, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
                 or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
-                    "for space" if time.time() < self.disk_full_until else None))
+                    "for space" if time.monotonic() < self.disk_full_until else None))
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -201,7 +201,7 @@ class ExtractStage:
         for ev in self.engine.events():
             if ev.get("event") == "error" and ev.get("kind") == "disk_full":
                 self.ledger.release(ev.get("ids", []), f"spool full: {ev.get('error')}")
-                self.disk_full_until = time.time() + DISK_FULL_BACKOFF_S
+                self.disk_full_until = time.monotonic() + DISK_FULL_BACKOFF_S
             elif ev.get("event") == "error":
                 for sid in ev.get("ids", []):
                     self.ledger.mark_retry(sid, f"engine: {ev.get('error', 'unknown error')}",
@@ -217,7 +217,7 @@ class ExtractStage:
 
     def _dispatch(self) -> None:
         engine = self.ready_engine
-        if engine is None or time.time() < self.disk_full_until:
+        if engine is None or time.monotonic() < self.disk_full_until:
             return
         bounds = self.cfg.extract
         counts = self.ledger.counts()
@@ -258,11 +258,11 @@ class ExtractStage:
                     outcome = ingestor.ingest(name)
                     if outcome.kind == "ingested":
                         with self.ingest_lock:
-                            self.ingested.append((time.time(), outcome.tokens))
+                            self.ingested.append((time.monotonic(), outcome.tokens))
                 except DiskFull as exc:
                     log.warning("%s: waiting for space", exc.strerror)
                     ledger.event("disk_full", str(exc.strerror))
-                    self.disk_full_until = time.time() + DISK_FULL_BACKOFF_S
+                    self.disk_full_until = time.monotonic() + DISK_FULL_BACKOFF_S
                     time.sleep(1.0)
                 except Exception:
                     log.exception("ingest of %s failed; it stays in the spool", name)
@@ -274,7 +274,7 @@ class ExtractStage:
 
     def rates(self) -> tuple[float, float]:
         """Samples and tokens ingested per second over the last minute."""
-        now = time.time()
+        now = time.monotonic()
         with self.ingest_lock:
             while self.ingested and self.ingested[0][0] < now - RATE_WINDOW_S:
                 self.ingested.popleft()

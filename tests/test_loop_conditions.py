@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from eagle3d.daemon import control
+from eagle3d.daemon.children import Supervisor
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import load_config
@@ -114,3 +115,15 @@ def test_the_watchdog_pings_go_on_after_the_clock_steps_back(config_factory, tmp
         listener.close()
 
 
+
+def test_a_child_restarts_after_its_backoff_whatever_the_clock_does(monkeypatch):
+    """A child's backoff of 2 s ends after 2 s: a clock stepped forward a day does not skip
+    it, one stepped back an hour does not keep the child down for that hour."""
+    real = time.time
+    supervisor = Supervisor("[extract] engine_max_restarts", 5)
+    supervisor.exited(1, "the engine exited with code 1")
+    monkeypatch.setattr(time, "time", lambda: real() + 86400)
+    assert not supervisor.may_start and supervisor.state == "backoff"
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    time.sleep(2.2)
+    assert supervisor.may_start and supervisor.state == "stopped"
