@@ -27,12 +27,12 @@ def describe(where: str, exc: BaseException, ledger: Path) -> str:
     """One line for status: what failed, where, and in words an operator can act on."""
     text = str(exc) or type(exc).__name__
     if isinstance(exc, sqlite3.OperationalError) and "locked" in text:
-        return f"ledger locked ({ledger}: another process holds it) while {where}"
+        return f"ledger locked (another process holds {ledger}; while {where})"
     if isinstance(exc, sqlite3.OperationalError) and "disk is full" in text:
-        return f"state folder's disk full ({ledger.parent}) while {where}"
+        return f"state folder's disk full ({ledger.parent}; while {where})"
     if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
-        return f"{exc.strerror} ({exc.filename or ledger.parent}) while {where}"
-    return f"{type(exc).__name__}: {text} while {where}"
+        return f"{exc.strerror} ({exc.filename or ledger.parent}; while {where})"
+    return f"{type(exc).__name__}: {text} (while {where})"
 
 
 @dataclass

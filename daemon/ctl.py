@@ -111,6 +111,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["eta_s"] = state.get("eta_s")
     out["bytes"] = state.get("bytes", {})
     out["disk"] = state.get("disk", [])
+    out["state_reserve"] = state.get("state_reserve")
     out["generate"] = state.get("generate", {})
     out["engine"] = state.get("engine", {})
     out["trainer"] = state.get("trainer", {})
@@ -202,9 +203,9 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append("daemon    NOT RUNNING")
     condition = st.get("condition")
     if condition and d["alive"]:
-        lines.append(f"condition since {_clock(condition['since'])}, {condition['retries']} "
-                     f"failed ticks, next try in {condition['retry_in_s']:.0f} s: "
-                     f"{condition['reason']}")
+        lines.append(f"condition {condition['reason']} since {_clock(condition['since'])}: "
+                     f"{condition['retries']} failed ticks, the next try in "
+                     f"{condition['retry_in_s']:.0f} s")
     if st.get("config_problem"):
         since = st.get("config_problem_since")
         lines.append("config    " + (f"since {_clock(since)}: "
@@ -241,7 +242,11 @@ def render_status(st: dict[str, Any]) -> str:
                      f"ETA {human_s(st.get('eta_s'))}")
     b = st.get("bytes", {})
     disk_parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
-                  for x in st.get("disk", [])[:2]]
+                  for x in st.get("disk", []) if x["role"] != "train_dir"]
+    reserve = st.get("state_reserve")
+    if reserve and disk_parts:
+        disk_parts[-1] += (f" (its reserve of {human_bytes(reserve['bytes'])} "
+                           f"{'held' if reserve['held'] else 'given up: the disk is full'})")
     lines.append("disk      " + " · ".join(disk_parts + [
         f"written {human_bytes(b.get('written', 0))} of {human_bytes(b.get('projected', 0))} "
         "projected"]))

@@ -125,6 +125,8 @@ class Daemon:
         self._sizing: threading.Thread | None = None
         self._publishing = threading.Lock()  # a stop's heartbeat publishes from its thread
         self.conditions = Conditions()
+        self.state_reserve = budgets.StateReserve(cfg.paths.state_dir)
+        self.state_disk_pause: str | None = None
         self.phase = "starting"  # what the loop is doing, for a condition's reason
         self.publish_problems: dict[str, str | None] = {}  # of publishing's parts, by part
         self._last_snapshot: dict[str, Any] | None = None
@@ -300,6 +302,9 @@ class Daemon:
     # ---- the tick -----------------------------------------------------------------------------
 
     def tick(self) -> None:
+        # First: a full state disk must not fail the steps that would give its reserve up.
+        self.phase = "checking the state folder's disk"
+        self.state_disk_pause = self.state_reserve.pause()
         if self.reload_requested and self.switching is None:  # one taken during a switch waits
             self.reload_requested = False
             self.phase = "reloading the config"
@@ -347,6 +352,7 @@ class Daemon:
             facts["budget_pause"] += budgets.reclaimable(self.set_aside)
         return Facts(counts=counts, operator_pause=requests.operator_pause(
                          self.root_cfg.paths.state_dir), share=share,
+                     state_disk_pause=self.state_disk_pause,
                      blocked=next((b for b in blocked if b), None), **facts)
 
     def unblock(self, all_failed: bool) -> None:
