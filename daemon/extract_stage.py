@@ -22,7 +22,7 @@ from eagle3d.daemon import budgets
 from eagle3d.daemon.children import Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
-from eagle3d.daemon.ingest import DiskFull, Ingestor
+from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
 from eagle3d.daemon.spool import Spool
 from eagle3d.statemachine import layout, plan_meta
 from eagle3d.statemachine.config import Config
@@ -93,6 +93,7 @@ class ExtractStage:
         self.ingested: collections.deque[tuple[float, int]] = collections.deque()
         self.ingest_lock = threading.Lock()
         self.disk_full_until = 0.0
+        self.disk_full_why = ""  # what the last disk event said, for the budget's reason
         self.stopping = False
         self.borrower: EngineBorrower = _NoBorrower()
         # Whether another stage's child still holds the GPUs (a trainer writing its checkpoint
@@ -122,8 +123,8 @@ class ExtractStage:
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
                 or budgets.spool_pause(self.cfg, spooled + inflight, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
-                or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
-                    "for space" if time.monotonic() < self.disk_full_until else None))
+                or (f"disk budget: {self.disk_full_why}; dispatch waits for it"
+                    if time.monotonic() < self.disk_full_until else None))
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -201,6 +202,7 @@ class ExtractStage:
         for ev in self.engine.events():
             if ev.get("event") == "error" and ev.get("kind") == "disk_full":
                 self.ledger.release(ev.get("ids", []), f"spool full: {ev.get('error')}")
+                self.disk_full_why = "the spool's file system filled up"
                 self.disk_full_until = time.monotonic() + DISK_FULL_BACKOFF_S
             elif ev.get("event") == "error":
                 for sid in ev.get("ids", []):
@@ -259,9 +261,10 @@ class ExtractStage:
                     if outcome.kind == "ingested":
                         with self.ingest_lock:
                             self.ingested.append((time.monotonic(), outcome.tokens))
-                except DiskFull as exc:
-                    log.warning("%s: waiting for space", exc.strerror)
+                except DiskUnwritable as exc:
+                    log.warning("%s: waiting for it", exc.strerror)
                     ledger.event("disk_full", str(exc.strerror))
+                    self.disk_full_why = exc.strerror
                     self.disk_full_until = time.monotonic() + DISK_FULL_BACKOFF_S
                     time.sleep(1.0)
                 except Exception:
