@@ -61,7 +61,8 @@ class VerifyRunner:
             # Weighed before the listing: a reason recorded later is weighed again next pass.
             doubt, weighed_upto = page_cache_doubt(ledger)
             samples = {s.id: s for s in ledger.iter_samples("extracted")}
-            self.total, self.done, self.bytes_done, self.started = len(samples), 0, 0, time.monotonic()
+            self.total, self.done, self.bytes_done = len(samples), 0, 0
+            self.started = time.monotonic()
             # Ingest does not fsync: only a file on disk may be marked verified. The sync comes
             # after the listing, so every file listed was written before it.
             if not self.dataset_sync.sync(ledger):

@@ -58,7 +58,8 @@ def test_a_ledger_held_by_another_process_is_a_condition_and_the_daemon_recovers
     with DaemonProcess(config) as d:
         d.status_until(lambda st: st["stage"] == "paused", 60, "the pause")
         holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER,
-                                   str(layout.ledger(state_dir))], stdout=subprocess.PIPE, text=True)
+                                   str(layout.ledger(state_dir))],
+                                  stdout=subprocess.PIPE, text=True)
         try:
             assert holder.stdout.readline().strip() == "held"
             held = time.time()
