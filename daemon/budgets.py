@@ -1,4 +1,5 @@
-"""Disk budgets: keep the configured reserve free on the dataset file system and cap the spool.
+"""Disk budgets: keep the configured reserve free on the dataset file system, cap the spool,
+and hold a reserve of the daemon's own on the state folder's disk.
 
 A budget that is hit stops dispatch with the reason and the figures; nothing is dropped, and
 dispatch resumes by itself when space comes back.
@@ -6,13 +7,21 @@ dispatch resumes by itself when space comes back.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, human_bytes
 from eagle3d.statemachine.runs import Run
+
+log = logging.getLogger("eagle3d")
+
+# What the ledger and the state file need to go on for a while, and to say why they wait.
+STATE_RESERVE = 32 * 1024**2
 
 
 @dataclass(frozen=True)
@@ -71,6 +80,55 @@ def spool_pause(cfg: Config, spooled: int, free: int, one_batch: int) -> str | N
                 f"one batch of dumps ({human_bytes(one_batch)}); dispatch resumes when space "
                 "is freed")
     return None
+
+
+class StateReserve:
+    """The state folder's reserve of its own: a file of STATE_RESERVE bytes on its disk. When
+    less than that is free besides it (another tenant of the disk filled it, or the ledger
+    grew), the daemon gives the reserve up and pauses every stage: the ledger and the state file
+    still have room to say why. It takes the reserve back, and goes on, once twice as much is
+    free."""
+
+    def __init__(self, state_root: Path) -> None:
+        self.state_root = state_root
+        self.path = layout.state_reserve(state_root)
+
+    @property
+    def held(self) -> bool:
+        try:
+            return self.path.stat().st_size == STATE_RESERVE
+        except FileNotFoundError:
+            return False
+
+    def pause(self) -> str | None:
+        """Why every stage must wait for the state folder's disk, after giving the reserve up or
+        taking it back as its free space says; None while the reserve is held."""
+        free = psutil.disk_usage(str(self.state_root)).free
+        if self.held:
+            if free >= STATE_RESERVE:
+                return None
+            self.path.unlink()
+            log.warning("the state folder's disk has %s free: its reserve of %s given up, "
+                        "every stage pauses", human_bytes(free), human_bytes(STATE_RESERVE))
+        elif free >= 2 * STATE_RESERVE and self._take():
+            return None
+        free = psutil.disk_usage(str(self.state_root)).free
+        return (f"state disk full: the state folder's file system ({self.state_root}) has "
+                f"{human_bytes(free)} free besides the ledger and state file's reserve; the "
+                f"pipeline goes on once {human_bytes(2 * STATE_RESERVE)} are free")
+
+    def _take(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, STATE_RESERVE)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # another tenant took the space meanwhile: paused still
+            self.path.unlink(missing_ok=True)
+            log.warning("cannot take the state folder's reserve back: %s", exc.strerror)
+            return False
+        return True
 
 
 def reclaimable(set_aside: list[tuple[Run, int]]) -> str:

@@ -196,14 +196,14 @@ class Supervisor:
 
     @property
     def may_start(self) -> bool:
-        return self.fatal is None and time.time() >= self.retry_at
+        return self.fatal is None and time.monotonic() >= self.retry_at
 
     @property
     def state(self) -> str:
         """Of a stage with no child running: "stopped", "backoff" or "fatal"."""
         if self.fatal is not None:
             return "fatal"
-        return "backoff" if time.time() < self.retry_at else "stopped"
+        return "backoff" if time.monotonic() < self.retry_at else "stopped"
 
     def exited(self, code: int | None, said: str, final: bool = False) -> str | None:
         """An exit nobody asked for (`code` None: ended by the stage because a partner died):
@@ -217,7 +217,7 @@ class Supervisor:
             return self.terminal(f"{said}, {restarts} times within "
                                  f"{self.window_s / 3600:g} h ({self.limit_key} = "
                                  f"{self.limit}); see the log")
-        self.retry_at = time.time() + min(BACKOFF_MAX_S, 2.0 ** restarts)
+        self.retry_at = time.monotonic() + min(BACKOFF_MAX_S, 2.0 ** restarts)
         return None
 
     def terminal(self, reason: str) -> str:

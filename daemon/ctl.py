@@ -15,6 +15,8 @@ Exit codes (a monitor or a script branches on them):
   8  status on the training node of a sharded dataset: another shard is stale (its heartbeat
      older than a minute), stopped before it was done, failed or waiting for an operator (its
      line says which: "stale: no heartbeat for 3d 00h", "failed: ...")
+  9  status: running, but its loop fails and retries by itself: a condition, with its reason
+     and since when ("ledger locked since 10:41:07", a full state disk)
 """
 
 from __future__ import annotations
@@ -49,6 +51,11 @@ def _bar(fraction: float, width: int = 30) -> str:
     fraction = min(max(fraction, 0.0), 1.0)
     full = int(fraction * width)
     return "[" + "#" * full + "." * (width - full) + f"] {fraction * 100:5.1f}%"
+
+
+def _clock(t: float) -> str:
+    """A wall-clock time of today, as status shows every "since"."""
+    return time.strftime('%H:%M:%S', time.localtime(t))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -104,6 +111,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["eta_s"] = state.get("eta_s")
     out["bytes"] = state.get("bytes", {})
     out["disk"] = state.get("disk", [])
+    out["state_reserve"] = state.get("state_reserve")
     out["generate"] = state.get("generate", {})
     out["engine"] = state.get("engine", {})
     out["trainer"] = state.get("trainer", {})
@@ -113,6 +121,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["config_problem_since"] = state.get("config", {}).get("problem_since")
     out["metrics_problem"] = state.get("metrics", {}).get("problem")
     out["paused_by"] = state.get("paused_by")
+    out["condition"] = state.get("condition")
     d = state.get("daemon", {})
     age = time.time() - d["heartbeat"] if "heartbeat" in d else None
     alive = bool(d.get("alive") and d.get("pid") and age is not None and age < HEARTBEAT_STALE_S
@@ -158,6 +167,7 @@ WAITS_FOR_OPERATOR = 4
 EDIT_NOT_APPLIED = 5
 NEEDS_RESTART_CODE, RELOAD_REFUSED = 6, 7
 SHARD_DOWN = 8
+LOOP_CONDITION = 9
 
 
 def status_code(st: dict[str, Any]) -> int:
@@ -167,6 +177,8 @@ def status_code(st: dict[str, Any]) -> int:
         return NOT_RUNNING
     if st["stage"] == "failed":
         return FAILED
+    if st.get("condition"):
+        return LOOP_CONDITION
     if st.get("config_problem"):
         return EDIT_NOT_APPLIED
     if waits_for_operator(st):
@@ -179,7 +191,7 @@ def status_code(st: dict[str, Any]) -> int:
 def render_status(st: dict[str, Any]) -> str:
     s, t, d = st["samples"], st["tokens"], st["daemon"]
     lines = []
-    since = f" (since {time.strftime('%H:%M:%S', time.localtime(st['since']))})" if st.get("since") else ""
+    since = f" (since {_clock(st['since'])})" if st.get("since") else ""
     lines.append(f"stage     {st['stage']}{since}: {st['reason']}")
     if d["alive"]:
         lines.append(f"daemon    running, pid {d['pid']}, heartbeat {d['heartbeat_age_s']:.1f}s ago")
@@ -189,9 +201,14 @@ def render_status(st: dict[str, Any]) -> str:
                      f"{human_s(age)} ago)")
     else:
         lines.append("daemon    NOT RUNNING")
+    condition = st.get("condition")
+    if condition and d["alive"]:
+        lines.append(f"condition {condition['reason']} since {_clock(condition['since'])}: "
+                     f"{condition['retries']} failed ticks, the next try in "
+                     f"{condition['retry_in_s']:.0f} s")
     if st.get("config_problem"):
         since = st.get("config_problem_since")
-        lines.append("config    " + (f"since {time.strftime('%H:%M:%S', time.localtime(since))}: "
+        lines.append("config    " + (f"since {_clock(since)}: "
                                      if since else "") + st["config_problem"])
     if st.get("run"):
         from eagle3d.daemon.ctl_runs import run_line  # only where the daemon published runs
@@ -225,7 +242,11 @@ def render_status(st: dict[str, Any]) -> str:
                      f"ETA {human_s(st.get('eta_s'))}")
     b = st.get("bytes", {})
     disk_parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
-                  for x in st.get("disk", [])[:2]]
+                  for x in st.get("disk", []) if x["role"] != "train_dir"]
+    reserve = st.get("state_reserve")
+    if reserve and disk_parts:
+        disk_parts[-1] += (f" (its reserve of {human_bytes(reserve['bytes'])} "
+                           f"{'held' if reserve['held'] else 'given up: the disk is full'})")
     lines.append("disk      " + " · ".join(disk_parts + [
         f"written {human_bytes(b.get('written', 0))} of {human_bytes(b.get('projected', 0))} "
         "projected"]))

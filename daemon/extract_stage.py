@@ -22,7 +22,7 @@ from eagle3d.daemon import budgets
 from eagle3d.daemon.children import Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
-from eagle3d.daemon.ingest import DiskFull, Ingestor
+from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
 from eagle3d.daemon.spool import Spool
 from eagle3d.statemachine import layout, plan_meta
 from eagle3d.statemachine.config import Config
@@ -95,6 +95,7 @@ class ExtractStage:
         self.ingested: collections.deque[tuple[float, int]] = collections.deque()
         self.ingest_lock = threading.Lock()
         self.disk_full_until = 0.0
+        self.disk_full_why = ""  # what the last disk event said, for the budget's reason
         self.stopping = False
         self.borrower: EngineBorrower = _NoBorrower()
         # Whether another stage's child still holds the GPUs (a trainer writing its checkpoint
@@ -132,8 +133,8 @@ class ExtractStage:
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
                 or budgets.spool_pause(self.cfg, spooled + inflight, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
-                or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
-                    "for space" if time.time() < self.disk_full_until else None))
+                or (f"disk budget: {self.disk_full_why}; dispatch waits for it"
+                    if time.monotonic() < self.disk_full_until else None))
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -213,7 +214,8 @@ class ExtractStage:
         for ev in self.engine.events():
             if ev.get("event") == "error" and ev.get("kind") == "disk_full":
                 self.ledger.release(ev.get("ids", []), f"spool full: {ev.get('error')}")
-                self.disk_full_until = time.time() + DISK_FULL_BACKOFF_S
+                self.disk_full_why = "the spool's file system filled up"
+                self.disk_full_until = time.monotonic() + DISK_FULL_BACKOFF_S
             elif ev.get("event") == "error":
                 for sid in ev.get("ids", []):
                     self.ledger.mark_retry(sid, f"engine: {ev.get('error', 'unknown error')}",
@@ -229,7 +231,7 @@ class ExtractStage:
 
     def _dispatch(self) -> None:
         engine = self.ready_engine
-        if engine is None or time.time() < self.disk_full_until:
+        if engine is None or time.monotonic() < self.disk_full_until:
             return
         bounds = self.cfg.extract
         counts = self.ledger.counts()
@@ -277,11 +279,12 @@ class ExtractStage:
                     outcome = ingestor.ingest(name)
                     if outcome.kind == "ingested":
                         with self.ingest_lock:
-                            self.ingested.append((time.time(), outcome.tokens))
-                except DiskFull as exc:
-                    log.warning("%s: waiting for space", exc.strerror)
+                            self.ingested.append((time.monotonic(), outcome.tokens))
+                except DiskUnwritable as exc:
+                    log.warning("%s: waiting for it", exc.strerror)
                     ledger.event("disk_full", str(exc.strerror))
-                    self.disk_full_until = time.time() + DISK_FULL_BACKOFF_S
+                    self.disk_full_why = exc.strerror
+                    self.disk_full_until = time.monotonic() + DISK_FULL_BACKOFF_S
                     time.sleep(1.0)
                 except Exception:
                     log.exception("ingest of %s failed; it stays in the spool", name)
@@ -293,7 +296,7 @@ class ExtractStage:
 
     def rates(self) -> tuple[float, float]:
         """Samples and tokens ingested per second over the last minute."""
-        now = time.time()
+        now = time.monotonic()
         with self.ingest_lock:
             while self.ingested and self.ingested[0][0] < now - RATE_WINDOW_S:
                 self.ingested.popleft()

@@ -52,7 +52,7 @@ class GenerateStage:
         return self.cfg.extract.engine_stop_grace_s  # the generator and its server hold the target
 
     def observe(self, seen: Seen) -> dict[str, Any]:
-        now = time.time()
+        now = time.monotonic()
         self.left.append((now, seen.counts.get("ungenerated") + seen.counts.get("generating")))
         while self.left and self.left[0][0] < now - RATE_WINDOW_S:
             self.left.popleft()

@@ -38,8 +38,22 @@ log = logging.getLogger("eagle3d")
 KEEP_REJECTED_DATA = 16  # rejected dumps kept whole for inspection; later ones keep the reason
 
 
-class DiskFull(OSError):
-    """The dataset file system ran out of space: not the dump's fault, so it stays in the spool."""
+class DiskUnwritable(OSError):
+    """The dataset file system cannot take the dump now (full, read-only after an error, or
+    failing with I/O errors): not the dump's fault, so it stays in the spool, its sample is not
+    charged, and dispatch waits as for a full disk."""
+
+
+_UNWRITABLE = {errno.ENOSPC: "full", errno.EDQUOT: "over its quota", errno.EROFS: "read-only",
+               errno.EIO: "failing with I/O errors"}
+
+
+def _unwritable(exc: OSError, name: str) -> OSError:
+    """`exc` as DiskUnwritable where the disk is at fault, else as it is."""
+    if exc.errno not in _UNWRITABLE:
+        return exc
+    return DiskUnwritable(exc.errno, f"the dataset file system is {_UNWRITABLE[exc.errno]} "
+                          f"while writing {name}")
 
 
 @dataclass(frozen=True)
@@ -129,7 +143,10 @@ class Ingestor:
     def _copy(self, fd_in: int, dst: Path, expected: Expected) -> tuple[str, int]:
         """Copy and check in one pass (the same checks verify makes: header against the plan and
         the contract, planned ids, loss mask, finite values); returns (checksum, bytes)."""
-        dst.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        try:
+            dst.parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        except OSError as exc:
+            raise _unwritable(exc, dst.name) from None
         tmp = dst.with_name(f".{dst.name}.tmp")
         st = os.fstat(fd_in)
         try:
@@ -140,10 +157,11 @@ class Ingestor:
                 os.close(fd_out)
             after = os.fstat(fd_in)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFull(exc.errno, f"dataset file system full while writing {dst.name}")
-            raise
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass  # a read-only disk keeps it: the next start's debris
+            raise _unwritable(exc, dst.name) from None
         if problem is None and (after.st_size, after.st_mtime_ns) != (st.st_size, st.st_mtime_ns):
             problem = "the file changed while it was being ingested (still being written?)"
         if problem is not None:

@@ -9,6 +9,12 @@ children, disks) in, one idempotent step out, every tick.
 Nothing here is remembered that the facts on disk cannot tell again, except what is deliberately
 short-lived (rates, backoff timers): a restart continues exactly where the files say it is.
 
+The loop never dies of a tick's error (daemon/condition.py): it becomes the loop's condition,
+shown by status and retried with backoff while the watchdog pings and the heartbeat go on.
+Only the documented terminal conditions end the process, with exit 2 (entry.REFUSED), which the
+unit does not restart: a config invalid at start, another daemon holding the state folder.
+Every interval runs on the monotonic clock: a clock step never silences the watchdog.
+
 The daemon works on one run at a time (statemachine/runs.py): the run of the config's capture
 contract. A reload that edits a contract key switches runs: the current run's stages stop within
 their bounds, its state stays as it is, and the stages are built again for the run of the new
@@ -22,13 +28,15 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sqlite3
 import threading
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from eagle3d.daemon import budgets, control, metrics, pipeline, progress, requests, run_select
 from eagle3d.daemon.children import end_orphans
+from eagle3d.daemon.condition import Conditions, describe
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
@@ -47,6 +55,10 @@ log = logging.getLogger("eagle3d")
 
 TICK = 0.25
 STATE_EVERY = 1.0
+# The longest a ledger statement of the loop waits for another process's lock: well under half
+# the unit's watchdog (90 s), so a tick of a few statements never outlasts a ping. Past it the
+# tick fails, and the loop shows "ledger locked" and retries.
+LEDGER_BUSY_S = 2.0
 
 
 class Switching(NamedTuple):
@@ -112,7 +124,13 @@ class Daemon:
         self.set_aside: list[tuple[runs.Run, int]] = []  # the last sizes known
         self._sizing: threading.Thread | None = None
         self._publishing = threading.Lock()  # a stop's heartbeat publishes from its thread
-        self._last_ping = 0.0
+        self.conditions = Conditions()
+        self.state_reserve = budgets.StateReserve(cfg.paths.state_dir)
+        self.state_disk_pause: str | None = None
+        self.phase = "starting"  # what the loop is doing, for a condition's reason
+        self.publish_problems: dict[str, str | None] = {}  # of publishing's parts, by part
+        self._last_snapshot: dict[str, Any] | None = None
+        self._last_ping = float("-inf")  # monotonic, as every interval here
         self._last_progress = float("-inf")  # monotonic: a clock step never silences them
         self.enter(run_select.select(cfg))
 
@@ -122,7 +140,7 @@ class Daemon:
         self.cfg = runs.run_config(self.root_cfg, selected.run)
         prepare_dirs(self.cfg)
         write_in_force(self.cfg)  # before any child: children start from it, never from cfg.path
-        self.ledger = Ledger(layout.ledger(self.cfg.paths.state_dir))
+        self.ledger = Ledger(layout.ledger(self.cfg.paths.state_dir), timeout=LEDGER_BUSY_S)
         self.decision: Decision | None = None
         self.stage_since = time.time()
         self.stages, self.verified_fingerprint = pipeline.build(
@@ -139,7 +157,7 @@ class Daemon:
         # eagle3ctl finds this daemon, and its run, by the editable file's path: only once the
         # run's first state file is there, else a status taken between the two would read a run
         # that 'has not started' while the daemon works on it.
-        self._last_state = 0.0
+        self._last_state = float("-inf")
         self.publish()
         pointer.write(self.cfg.path, self.cfg.paths.state_dir, self.root_cfg.paths._asdict())
 
@@ -149,12 +167,13 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
-        self.recover()
-        self.notifier.ready()
         code = 0
         try:
+            while not self.stopping and not self.attempt(self.recover):
+                time.sleep(TICK)
+            self.notifier.ready()
             while not self.stopping:
-                self.tick()
+                self.attempt(self.tick)
                 if self.until_met():
                     assert self.decision is not None
                     if self.decision.stage == Stage.FAILED:
@@ -175,6 +194,36 @@ class Daemon:
             return False
         return d.stage == Stage.FAILED or (d.stage != Stage.PAUSED and
                                            stages.reached(d.underlying, self.until))
+
+    def attempt(self, step: Callable[[], None]) -> bool:
+        """One try of `step` (a tick, or the recovery before the first), unless a condition's
+        backoff runs: then only the watchdog's ping and the heartbeat. An error becomes the
+        loop's condition, recorded once per reason; True when `step` went through."""
+        if self.conditions.waiting():
+            self.publish()
+            return False
+        try:
+            step()
+        except Exception as exc:  # the loop's contract: no error of a tick ends the daemon
+            reason = describe(self.phase, exc, layout.ledger(self.cfg.paths.state_dir))
+            if self.conditions.failed(reason, exc):
+                self.record("condition", reason)
+            self._last_state = float("-inf")  # shown at once
+            self.publish()
+            return False
+        was = self.conditions.cleared()
+        if was is not None:
+            self.record("condition_cleared", f"after {was.retries} failed ticks: {was.reason}")
+            self._last_state = float("-inf")
+            self.publish()
+        return True
+
+    def record(self, kind: str, detail: str) -> None:
+        """A ledger event where the ledger takes it: the log has it anyway."""
+        try:
+            self.ledger.event(kind, detail)
+        except sqlite3.Error as exc:
+            log.warning("ledger event %s not recorded (%s): %s", kind, exc, detail)
 
     def _on_stop(self, signum: int, frame: Any) -> None:
         self.stopping = True
@@ -202,6 +251,7 @@ class Daemon:
 
     def recover(self) -> None:
         """Facts first: end the previous life's children, return in-flight samples, clean up."""
+        self.phase = "recovering from the previous daemon's life"
         ended = end_orphans(self.pid_dir)
         if ended:
             log.warning("ended children of a previous daemon: %s", ", ".join(ended))
@@ -237,7 +287,7 @@ class Daemon:
             self.switching = None  # the run stays current: the next start switches again
         else:
             self.stop_stages(deadline, "daemon stopped")
-        self.ledger.event("daemon_stopped", f"pid {os.getpid()}")
+        self.record("daemon_stopped", f"pid {os.getpid()}")
         self.publish(final=True)
         pointer.remove(self.cfg.path)
         self.lock.close()
@@ -252,27 +302,35 @@ class Daemon:
     # ---- the tick -----------------------------------------------------------------------------
 
     def tick(self) -> None:
+        # First: a full state disk must not fail the steps that would give its reserve up.
+        self.phase = "checking the state folder's disk"
+        self.state_disk_pause = self.state_reserve.pause()
         if self.reload_requested and self.switching is None:  # one taken during a switch waits
             self.reload_requested = False
+            self.phase = "reloading the config"
             self.reload()
         if self.switching is not None:
             if self.switching.stopper.is_alive():
                 self.publish()
                 return
+            self.phase = "switching runs"
             self.finish_switch()
+        self.phase = "applying control requests"
         control.apply_all(self.cfg.paths.state_dir,
                           lambda request: requests.handle(request, self.ledger, self.unblock,
                                                           self.root_cfg.paths.state_dir))
+        self.phase = "observing"
         decision = stages.derive(self.observe())
         if self.decision is None or decision.stage != self.decision.stage:
+            self.ledger.event("stage", f"{decision.stage.value}: {decision.reason}")
             self.stage_since = time.time()
             log.info("stage %s: %s", decision.stage.value, decision.reason)
-            self.ledger.event("stage", f"{decision.stage.value}: {decision.reason}")
-            self._last_state = 0.0
+            self._last_state = float("-inf")
             self._last_progress = float("-inf")  # each stage's totals in the log from its start
         self.decision = decision
         if not self.until_met():  # `--until train` must not start the trainer it will not wait for
             for stage in self.stages:
+                self.phase = f"stepping the {stage.name} stage"
                 stage.step(decision)
         self.publish()
 
@@ -294,6 +352,7 @@ class Daemon:
             facts["budget_pause"] += budgets.reclaimable(self.set_aside)
         return Facts(counts=counts, operator_pause=requests.operator_pause(
                          self.root_cfg.paths.state_dir), share=share,
+                     state_disk_pause=self.state_disk_pause,
                      blocked=next((b for b in blocked if b), None), **facts)
 
     def unblock(self, all_failed: bool) -> None:
@@ -344,7 +403,7 @@ class Daemon:
                                    args=(time.monotonic() + STOP_BUDGET_S, "run set aside"))
         self.switching = Switching(new, weights, stopper, state)
         stopper.start()
-        self._last_state = 0.0
+        self._last_state = float("-inf")
         self.publish()
 
     def finish_switch(self) -> None:
@@ -368,30 +427,67 @@ class Daemon:
     # ---- publishing ---------------------------------------------------------------------------
 
     def publish(self, final: bool = False) -> None:
+        """The watchdog's ping, and each second the state file. Never raises: a state that
+        cannot be taken (a ledger another process locks) is the last one taken, alive; a state
+        file that cannot be written (its disk full) is logged once per cause, and the pings go
+        on either way."""
         with self._publishing:
-            self._publish(final)
+            self._ping()
+            now = time.monotonic()
+            if not final and now - self._last_state < STATE_EVERY:
+                return
+            self._last_state = now
+            state = self._state(final)
+            if state is None:
+                return
+            try:
+                self._write_state(self.cfg, state)
+            except OSError as exc:
+                self._publish_problem("write", f"cannot write the state file in "
+                                      f"{self.cfg.paths.state_dir}: {exc.strerror or exc}")
+                return
+            self._publish_problem("write", None)
+            if self.cfg.metrics.textfile:
+                self.write_metrics(state)
+            status = progress.line(state)
+            self.notifier.status(status)
+            if now - self._last_progress >= progress.PROGRESS_EVERY_S or final:
+                self._last_progress = now
+                log.info("progress %s", status)
 
-    def _publish(self, final: bool) -> None:
-        now = time.time()
+    def _ping(self) -> None:
         ping = self.notifier.watchdog_interval()
-        if ping is not None and now - self._last_ping >= ping:
+        if ping is not None and time.monotonic() - self._last_ping >= ping:
             self.notifier.watchdog()
-            self._last_ping = now
-        if not final and now - self._last_state < STATE_EVERY:
-            return
-        self._last_state = now
-        # While a switch stops the stages, their last snapshot, alive: nothing else reads them.
-        state = (snapshot(self, final) if self.switching is None else
-                 {**self.switching.state, "updated": now,
-                  "daemon": {**self.switching.state["daemon"], "heartbeat": now}})
-        self._write_state(self.cfg, state)
-        if self.cfg.metrics.textfile:
-            self.write_metrics(state)
-        status = progress.line(state)
-        self.notifier.status(status)
-        if time.monotonic() - self._last_progress >= progress.PROGRESS_EVERY_S or final:
-            self._last_progress = time.monotonic()
-            log.info("progress %s", status)
+            self._last_ping = time.monotonic()
+
+    def _state(self, final: bool) -> dict[str, Any] | None:
+        """What the state file says now, with the loop's condition; None when there is nothing
+        to say yet."""
+        try:
+            # While a switch stops the stages, their last snapshot: nothing else reads them.
+            state = snapshot(self, final) if self.switching is None else self.switching.state
+            self._publish_problem("snapshot", None)
+        except Exception as exc:  # guarded: publishing is what keeps status honest
+            self._publish_problem("snapshot", f"cannot take the state ({exc}); the last one "
+                                  "taken is published")
+            state = self._last_snapshot
+        if state is None:
+            return None
+        self._last_snapshot = state
+        now = time.time()
+        condition = self.conditions.current
+        return {**state, "updated": now, "daemon": {**state["daemon"], "heartbeat": now},
+                "condition": condition.as_state() if condition else None}
+
+    def _publish_problem(self, part: str, problem: str | None) -> None:
+        """Log a problem of publishing's `part` once per cause, and its end."""
+        before = self.publish_problems.get(part)
+        if problem and problem != before:
+            log.error("%s; the loop and the watchdog's pings go on", problem)
+        elif problem is None and before:
+            log.info("publishing: %s is over", before)
+        self.publish_problems[part] = problem
 
     def write_metrics(self, state: dict[str, Any]) -> None:
         """node_exporter's textfile. A folder that is missing or not writable is logged once per

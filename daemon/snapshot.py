@@ -47,10 +47,11 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
                   "spool": ingest.get("spool_bytes", 0)},
         "disk": [{"role": x.role, "path": x.path, "free": x.free, "total": x.total}
                  for x in budgets.disks(daemon.cfg)],
+        "state_reserve": {"bytes": budgets.STATE_RESERVE, "held": daemon.state_reserve.held},
         **dict(statuses.values()),
         # A budget's pause waits for a person (space, or a [budget] key); an operator's does not.
         "paused_by": (("operator" if requests.operator_pause(daemon.root_cfg.paths.state_dir)
-                       else "budget")
+                       and not daemon.state_disk_pause else "budget")
                       if decision and decision.stage == stages.Stage.PAUSED else None),
         "gate": {"open": gate.open, "describe": gate.describe(),
                  "waits_for_operator": gate.waits_for_operator},

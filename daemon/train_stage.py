@@ -211,8 +211,8 @@ class TrainStage:
         if supervisor.exited(code, said) is not None:
             return
         detail = (f"{said}: restarting from its last checkpoint in "
-                  f"{supervisor.retry_at - time.time():.0f} s (restart {supervisor.restarts} of "
-                  f"{supervisor.limit})")
+                  f"{supervisor.retry_at - time.monotonic():.0f} s (restart "
+                  f"{supervisor.restarts} of {supervisor.limit})")
         log.warning("%s", detail)
         self.ledger.event("train_restart", detail)
 

@@ -61,7 +61,8 @@ class VerifyRunner:
             # Weighed before the listing: a reason recorded later is weighed again next pass.
             doubt, weighed_upto = page_cache_doubt(ledger)
             samples = {s.id: s for s in ledger.iter_samples("extracted")}
-            self.total, self.done, self.bytes_done, self.started = len(samples), 0, 0, time.time()
+            self.total, self.done, self.bytes_done = len(samples), 0, 0
+            self.started = time.monotonic()
             # Ingest does not fsync: only a file on disk may be marked verified. The sync comes
             # after the listing, so every file listed was written before it.
             if not self.dataset_sync.sync(ledger):
@@ -107,7 +108,7 @@ class VerifyRunner:
             log.warning("verify: cannot remove the failed file %s: %s", path, exc.strerror)
 
     def rate(self) -> float:
-        elapsed = time.time() - self.started
+        elapsed = time.monotonic() - self.started
         return self.bytes_done / elapsed if self.running and elapsed > 0 else 0.0
 
 
@@ -160,7 +161,7 @@ class SpotCheck:
             batch.append(plan_batch_item(s.id, ids, mask))
         engine.submit(batch, self.folder)
         self.fingerprint = fingerprint
-        self.deadline = time.time() + self.cfg.extract.inflight_timeout_s
+        self.deadline = time.monotonic() + self.cfg.extract.inflight_timeout_s
         log.info("spot check: re-extracting %d verified samples", len(batch))
 
     def abandon(self) -> None:
@@ -173,7 +174,7 @@ class SpotCheck:
             return
         fresh = [self.folder / dumpformat.dump_name(s.id) for s in self.chosen]
         if not all(p.exists() for p in fresh):
-            if time.time() > self.deadline:
+            if time.monotonic() > self.deadline:
                 self._record(False, "the engine did not re-extract the spot-check samples in time")
             return
         from eagle3d.daemon.verify import compare_dumps

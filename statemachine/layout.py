@@ -31,6 +31,12 @@ def config_in_force(state_dir: Path) -> Path:
     return Path(state_dir) / "config.toml"
 
 
+def state_reserve(state_root: Path) -> Path:
+    """Space the daemon holds on the state folder's disk, given up when that disk fills so the
+    ledger and the state file can still be written (daemon/budgets.py)."""
+    return Path(state_root) / "reserve"
+
+
 def daemon_lock(state_root: Path) -> Path:
     """Held by the one daemon of this state folder for its whole life; says which process that
     is (statemachine/daemon_lock.py)."""

@@ -63,6 +63,7 @@ class Facts(NamedTuple):
     blocked: str | None = None         # config or contract problem: needs the operator
     operator_pause: str | None = None  # `eagle3ctl pause`, with who/when
     budget_pause: str | None = None    # a disk budget, with the figures
+    state_disk_pause: str | None = None  # the state folder's disk is full: every stage waits
     verify_complete: bool = False      # the manifest matches the ledger's verified set
     train_done: bool = False           # the export + evaluation match the manifest
     train_failed: str | None = None    # the trainer gave up (restarts used up)
@@ -125,6 +126,8 @@ def derive(f: Facts) -> Decision:
         return Decision(Stage.FAILED, f.blocked, stage)
     if stage in (Stage.DONE, Stage.FAILED):
         return Decision(stage, reason, stage)
+    if f.state_disk_pause:  # before an operator's: a person must free space
+        return Decision(Stage.PAUSED, f.state_disk_pause, stage)
     if f.operator_pause:
         return Decision(Stage.PAUSED, f"paused by the operator: {f.operator_pause}", stage)
     if f.budget_pause and stage == Stage.EXTRACT:

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -120,9 +121,37 @@ def test_full_dataset_disk_pauses_then_finishes_after_space_is_freed(config_fact
         assert not p.name.startswith("."), f"partial file left: {p}"
 
 
+def test_a_read_only_dataset_disk_pauses_without_charging_attempts(config_factory, tmp_path,
+                                                                  small_tmpfs):
+    """A dataset disk that turns read-only after an error (the kernel's errors=remount-ro):
+    ingest cannot write, dispatch pauses as for a full disk, and no sample is charged for it;
+    once it is writable again the run finishes."""
+    config = small_config(config_factory, tmp_path, n=30,
+                          paths={"dataset_dir": str(small_tmpfs / "dataset")},
+                          budget={"reserve": "2MiB"}, verify={"spot_checks": 0},
+                          extract={"max_inflight_tokens": 1024, "batch_tokens": 512})
+    with DaemonProcess(config, "--until", "train") as d:
+        d.status_until(lambda s: s["samples"]["extracted"] + s["samples"]["verified"] >= 3, 300,
+                       "the first samples")
+        subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
+        try:
+            st = d.status_until(lambda s: s["stage"] == "paused", 120, "a read-only pause")
+            assert "read-only" in st["reason"] and st["paused_by"] == "budget", st["reason"]
+            time.sleep(10)  # paused, not burning attempts: nothing fails meanwhile
+            assert status(config)["samples"]["failed"] == 0
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(small_tmpfs)], check=True)
+        assert d.wait(600) == 0, d.output()[-4000:]
+    st = status(config)
+    assert st["samples"]["verified"] == st["samples"]["total"] == 30
+    with Ledger(load_config(config).paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        charged = {s.id: s.attempts for s in ledger.iter_samples("verified") if s.attempts != 1}
+    assert not charged, f"attempts charged for a read-only disk: {charged}"
+
+
 def test_full_dataset_disk_mid_copy_leaves_the_dump_in_the_spool(tmp_path, small_tmpfs):
     """ENOSPC inside a copy: no partial file in the dataset, the dump stays to be ingested."""
-    from eagle3d.daemon.ingest import DiskFull, Ingestor
+    from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
     from eagle3d.statemachine.ledger import PlannedSample
     from tests.test_ingest import CONTRACT, sample_ids, write
     spool = Path("/dev/shm") / f"eagle3d-test-{uuid.uuid4().hex[:8]}"
@@ -138,7 +167,7 @@ def test_full_dataset_disk_mid_copy_leaves_the_dump_in_the_spool(tmp_path, small
         path = write(spool, "a" * 32, ids)
         (small_tmpfs / "fill").write_bytes(b"\0" * (20 << 20))
         ing = Ingestor(ledger, HeldDir.open(spool), small_tmpfs / "dataset", CONTRACT, 3)
-        with pytest.raises(DiskFull):
+        with pytest.raises(DiskUnwritable):
             ing.ingest(path.name)
         assert path.exists()
         assert not [p for p in (small_tmpfs / "dataset").rglob("*") if p.is_file()]

@@ -48,7 +48,7 @@ def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
     monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
     step_until_idle(stage)
     assert stage.supervisor.restarts == 1 and stage.failure is None and \
-        stage.supervisor.retry_at > time.time()
+        stage.supervisor.retry_at > time.monotonic()
     stage.supervisor.retry_at = 0  # the backoff, elapsed
     step_until_idle(stage)
     assert "[train] max_restarts = 1" in stage.observe(Seen(None, FINGERPRINT))["train_failed"]
@@ -79,7 +79,7 @@ def test_a_refusal_left_by_an_earlier_trainer_does_not_count(stage):
         entry.CONTRACT_MISMATCH, "an earlier trainer's target"))
     monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
     step_until_idle(stage)
-    assert stage.failure is None and stage.supervisor.retry_at > time.time()
+    assert stage.failure is None and stage.supervisor.retry_at > time.monotonic()
 
 
 @pytest.mark.slow

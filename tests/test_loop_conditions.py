@@ -1,0 +1,153 @@
+"""The loop never dies of a tick's error: a ledger another process holds, a full state disk, a
+clock stepped back. The daemon stays up, pings the watchdog, shows the condition with its reason
+and since when, and recovers by itself when the cause goes. Real processes, a real SQLite lock,
+a real notify socket and real small tmpfs mounts."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eagle3d.daemon import control
+from eagle3d.daemon.children import Supervisor
+from eagle3d.daemon.reconcile import Daemon
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
+from tests.chaos.conftest import tmpfs  # noqa: F401 (the fixture)
+from tests.pipeline import DaemonProcess, ctl, fill_file_system
+
+# A second process holds the ledger's write lock (an operator's sqlite3 shell left open, a
+# backup tool): readers go on, every writer waits.
+LOCK_HOLDER = """
+import sqlite3, sys, time
+db = sqlite3.connect(sys.argv[1], isolation_level=None)
+db.execute("BEGIN EXCLUSIVE")
+db.execute("INSERT INTO events (t, kind, detail) VALUES (0, 'test', 'lock held')")
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def paused_config(config_factory, **paths: str) -> Path:
+    """A daemon paused from its first tick: no planner, no engine; only the loop runs."""
+    config = config_factory({"paths": paths} if paths else None)
+    state_dir = load_config(config).paths.state_dir
+    layout.control_dir(state_dir).mkdir(parents=True, mode=0o700)
+    control.submit(state_dir, "pause", {"reason": "the loop alone"})
+    return config
+
+
+def events(state_dir: Path, kind: str) -> list[str]:
+    with Ledger(layout.ledger(state_dir), readonly=True) as ledger:
+        return [row[0] for row in ledger.db.execute(
+            "SELECT detail FROM events WHERE kind = ? ORDER BY seq", (kind,))]
+
+
+@pytest.mark.slow
+def test_a_ledger_held_by_another_process_is_a_condition_and_the_daemon_recovers(
+        config_factory):
+    config = paused_config(config_factory)
+    state_dir = load_config(config).paths.state_dir
+    with DaemonProcess(config) as d:
+        d.status_until(lambda st: st["stage"] == "paused", 60, "the pause")
+        holder = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER,
+                                   str(layout.ledger(state_dir))],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            held = time.time()
+            # A request the daemon must write down: its tick waits for the lock.
+            control.submit(state_dir, "pause", {"reason": "while the ledger is held"})
+            st = d.status_until(lambda st: st.get("condition"), 30, "the condition")
+            assert "ledger locked" in st["condition"]["reason"], st["condition"]
+            assert held - 1 <= st["condition"]["since"] <= time.time()
+            # Held past the old busy timeout (30 s), and past many backoffs: the daemon lives,
+            # its heartbeat is fresh, and status says what and since when, with its own code.
+            time.sleep(35)
+            proc = ctl(config, "status")
+            assert d.proc.poll() is None, d.output()[-4000:]
+            assert proc.returncode == 9, proc.stdout + proc.stderr
+            assert re.search(r"condition ledger locked .* since \d\d:\d\d:\d\d", proc.stdout), \
+                proc.stdout
+            assert "NOT RUNNING" not in proc.stdout, proc.stdout
+            assert d.output().count("Traceback") == 1, "logged once per distinct error"
+        finally:
+            holder.kill()
+            holder.wait()
+        st = d.status_until(lambda st: not st.get("condition"), 90, "the recovery")
+        assert st["stage"] == "paused" and ctl(config, "status").returncode == 0
+        assert d.stop() == 0
+    # Recorded once the ledger takes it again (while it was held, the log alone had it).
+    assert any("ledger locked" in e for e in events(state_dir, "condition_cleared"))
+
+
+def test_the_watchdog_pings_go_on_after_the_clock_steps_back(config_factory, tmp_path,
+                                                             monkeypatch):
+    """NTP steps the clock back an hour: the pings must not wait for the wall clock to catch
+    up with the last one, or systemd kills a healthy daemon."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(tmp_path / "notify"))
+    listener.setblocking(False)
+    monkeypatch.setenv("NOTIFY_SOCKET", str(tmp_path / "notify"))
+    monkeypatch.setenv("WATCHDOG_USEC", "200000")  # a ping every 0.1 s
+    daemon = Daemon(load_config(paused_config(config_factory)))
+    try:
+        daemon.recover()
+        daemon.tick()
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 3600)
+        pings = 0
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            daemon.tick()
+            time.sleep(0.05)
+            try:
+                while True:
+                    pings += listener.recv(4096) == b"WATCHDOG=1"
+            except BlockingIOError:
+                pass
+        assert pings >= 10, f"{pings} watchdog pings in 2 s after the clock stepped back"
+    finally:
+        daemon.shutdown()
+        listener.close()
+
+
+
+def test_a_child_restarts_after_its_backoff_whatever_the_clock_does(monkeypatch):
+    """A child's backoff of 2 s ends after 2 s: a clock stepped forward a day does not skip
+    it, one stepped back an hour does not keep the child down for that hour."""
+    real = time.time
+    supervisor = Supervisor("[extract] engine_max_restarts", 5)
+    supervisor.exited(1, "the engine exited with code 1")
+    monkeypatch.setattr(time, "time", lambda: real() + 86400)
+    assert not supervisor.may_start and supervisor.state == "backoff"
+    monkeypatch.setattr(time, "time", lambda: real() - 3600)
+    time.sleep(2.2)
+    assert supervisor.may_start and supervisor.state == "stopped"
+
+
+@pytest.mark.slow
+def test_a_full_state_disk_pauses_the_daemon_which_says_so_and_goes_on(config_factory, tmpfs):
+    """Another tenant fills the state folder's disk to the last byte: the daemon gives up its
+    reserve, pauses, and status says so; it goes on by itself once space is freed."""
+    disk = tmpfs("state", "80m")
+    config = paused_config(config_factory, state_dir=str(disk / "state"))
+    with DaemonProcess(config) as d:
+        st = d.status_until(lambda st: st["stage"] == "paused", 60, "the pause")
+        assert st["state_reserve"]["held"], st
+        ballast = fill_file_system(disk)
+        st = d.status_until(lambda st: "state disk full" in st["reason"], 30, "the disk's pause")
+        assert st["paused_by"] == "budget" and not st["state_reserve"]["held"], st
+        proc = ctl(config, "status")
+        assert proc.returncode == 4 and "given up: the disk is full" in proc.stdout, proc.stdout
+        ballast.unlink()
+        st = d.status_until(lambda st: st["paused_by"] == "operator", 30, "the pause lifted")
+        assert st["state_reserve"]["held"] and d.proc.poll() is None
+        assert d.stop() == 0
