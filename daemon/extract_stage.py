@@ -19,7 +19,7 @@ from typing import Any, Callable, Protocol
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon import budgets
-from eagle3d.daemon.children import Supervisor, remaining, stage_failed
+from eagle3d.daemon.children import Silence, Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskFull, Ingestor
@@ -83,6 +83,8 @@ class ExtractStage:
                                      cfg.extract.engine_max_restarts,
                                      stage_failed(ledger, "extract_failed",
                                                   "the extract stage stopped: %s"))
+        # Progress of a ready engine with samples in flight: its events (children.Silence).
+        self.silence = Silence("engine", cfg.extract.engine_silence_s)
         self.seen: Seen | None = None
         self.budget_held: str | None = None  # the disk budget's pause, at the last observe
         self.contract: dict[str, Any] | None = None
@@ -163,7 +165,8 @@ class ExtractStage:
         return self.engine if self.engine is not None and self.engine.ready else None
 
     def _ensure_engine(self, start: bool) -> None:
-        """Reap an engine that exited; start one (backoff allowing) only where `start`."""
+        """Reap an engine that exited or hung; start one (backoff allowing) only where `start`."""
+        self._end_silent_engine()
         if self.engine is not None:
             code = self.engine.poll()
             if code is None:
@@ -174,10 +177,35 @@ class ExtractStage:
             return
         try:
             self.engine = self.start_engine(self.cfg, self.pid_dir, self.contract)
+            self.silence.reset()
         except EngineUnavailable as exc:
             log.error("cannot start the engine: %s", exc)
             self.ledger.event("engine_unavailable", str(exc))
             self.supervisor.terminal(str(exc))
+
+    def _end_silent_engine(self) -> None:
+        """A ready engine that holds samples and shows nothing past [extract] engine_silence_s
+        has not exited but is hung (SIGSTOP, a read the kernel never answers): it is killed and
+        restarted, the restart counted against the engine's limit. Its samples go back to
+        pending without an attempt: they never had one."""
+        engine = self.ready_engine
+        if engine is None:
+            return
+        if not self.ledger.counts().get("inflight"):
+            self.silence.sign()  # an idle engine has nothing to show
+            return
+        why = self.silence.overdue()
+        if why is None:
+            return
+        log.error("%s: killing it", why)
+        engine.stop(0.0)  # SIGKILL: a stopped or stuck process never answers SIGTERM
+        self.engine = None
+        held = self.ledger.expired_inflight(float("inf"))
+        self.ledger.release(held, why)
+        self.borrower.engine_exited()
+        self.ledger.event("engine_silent", f"{why}; {len(held)} in-flight samples returned "
+                          "without an attempt")
+        self.supervisor.exited(None, why)
 
     def _engine_exited(self, code: int) -> None:
         # An engine that knew why it could not become ready (an SGLang server whose capture
@@ -199,6 +227,7 @@ class ExtractStage:
         if self.engine is None:
             return
         for ev in self.engine.events():
+            self.silence.sign()
             if ev.get("event") == "error" and ev.get("kind") == "disk_full":
                 self.ledger.release(ev.get("ids", []), f"spool full: {ev.get('error')}")
                 self.disk_full_until = time.time() + DISK_FULL_BACKOFF_S
@@ -211,6 +240,8 @@ class ExtractStage:
 
     def _expire_inflight(self) -> None:
         timeout = self.cfg.extract.inflight_timeout_s
+        if self.silence.silent_for() >= timeout:
+            return  # a late sample is its own fault only while the engine works on others
         for sid in self.ledger.expired_inflight(time.time() - timeout):
             self.ledger.mark_retry(sid, f"no dump within {timeout:.0f} s",
                                    self.cfg.extract.max_attempts)
@@ -302,6 +333,8 @@ class ExtractStage:
             "spool_bytes": self.spool.bytes_waiting if self.spool else 0}
         if engine is None:
             return {**out, "status": self.supervisor.state, "kind": self.cfg.target.engine}
+        if engine.ready:
+            out.update(self.silence.status())
         return {**out, "status": "ready" if engine.ready else "starting", "pid": engine.pid,
                 "kind": engine.kind, "device": engine.device,
                 "model": getattr(engine, "model", "") or self.cfg.target.model}
@@ -311,6 +344,7 @@ class ExtractStage:
 
     def reconfigure(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.silence.bound_s = cfg.extract.engine_silence_s
         # An engine that keeps dying stays stopped: its failures are the machine's (GPU, SGLang),
         # which no reload mends (`eagle3ctl retry` does).
         self.supervisor.reconfigure(cfg.extract.engine_max_restarts, mended=False)
