@@ -228,8 +228,10 @@ class ExtractStage:
             return
         for ev in self.engine.events():
             self.silence.sign()
-            if ev.get("event") == "error" and ev.get("kind") == "disk_full":
-                self.ledger.release(ev.get("ids", []), f"spool full: {ev.get('error')}")
+            if ev.get("event") == "error" and ev.get("kind") in ("disk_full", "write_failed"):
+                # The spool's fault, never the sample's: back without an attempt, and dispatch
+                # waits a moment for the disk.
+                self.ledger.release(ev.get("ids", []), f"spool: {ev.get('error')}")
                 self.disk_full_until = time.time() + DISK_FULL_BACKOFF_S
             elif ev.get("event") == "error":
                 for sid in ev.get("ids", []):
