@@ -24,7 +24,7 @@ from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskFull, Ingestor
 from eagle3d.daemon.spool import Spool
-from eagle3d.statemachine import layout, plan_meta
+from eagle3d.statemachine import layout, plan_meta, safepath
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage
@@ -120,12 +120,31 @@ class ExtractStage:
         remaining = bpt * (counts.tokens.get("pending", 0) + counts.tokens.get("inflight", 0))
         spooled = self.spool.bytes_waiting if self.spool else 0
         inflight = bpt * counts.tokens.get("inflight", 0)
-        return (budgets.projection_pause(self.cfg, free, remaining)
+        return (self._spool_gone()
+                or budgets.projection_pause(self.cfg, free, remaining)
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
                 or budgets.spool_pause(self.cfg, spooled + inflight, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
                 or ("disk budget: a file system filled up (dataset or spool); dispatch waits "
                     "for space" if time.time() < self.disk_full_until else None))
+
+    def _spool_gone(self) -> str | None:
+        """A spool folder removed under the daemon (an rm -rf of /dev/shm/eagle3d) is made
+        again, with the checks of the start; why dispatch must wait where it cannot be. The
+        in-flight samples' dumps went with it: they go back without an attempt (a dump still
+        written for one is ingested all the same)."""
+        spool = self.cfg.paths.spool_dir
+        if spool.is_dir() and not spool.is_symlink():
+            return None
+        problem = safepath.folder_problem(spool, 0o700)
+        if problem is not None:
+            return f"spool: {spool} was removed and cannot be made again: {problem}"
+        held = self.ledger.expired_inflight(float("inf"))
+        self.ledger.release(held, f"the spool {spool} was removed under the daemon")
+        log.warning("the spool %s was removed under the daemon: made again, %d in-flight "
+                    "samples returned without an attempt", spool, len(held))
+        self.ledger.event("spool_recreated", f"{spool}: {len(held)} in-flight samples returned")
+        return None
 
     # ---- one step ---------------------------------------------------------------------------
 
