@@ -274,7 +274,8 @@ class ExtractStage:
         bounds = self.cfg.extract
         counts = self.ledger.counts()
         room_samples = bounds.max_inflight_samples - counts.get("inflight")
-        room_tokens = bounds.max_inflight_tokens - counts.tokens.get("inflight", 0)
+        room_tokens = min(bounds.max_inflight_tokens - counts.tokens.get("inflight", 0),
+                          self._spool_room(counts))
         while room_samples > 0 and room_tokens > 0:
             claimed = self.ledger.claim(room_samples, min(room_tokens, bounds.batch_tokens))
             if not claimed:
@@ -284,6 +285,18 @@ class ExtractStage:
                           self.cfg.paths.spool_dir)
             room_samples -= len(claimed)
             room_tokens -= sum(s.tokens for s in claimed)
+
+    def _spool_room(self, counts: Counts) -> int:
+        """Tokens whose dumps the spool still has room for: [budget] spool_max and its file
+        system's free space, less what waits there and every dump in flight, written or not
+        (the spool is empty at nearly every dispatch, and one dispatch must not take more than
+        the budget). A claim may go one sample past it, so that no long sample starves."""
+        bpt = plan_meta.read(self.ledger).bytes_per_token
+        if bpt <= 0:  # a plan from before the figure was recorded: no budget to keep
+            return self.cfg.extract.max_inflight_tokens
+        spooled = self.spool.bytes_waiting if self.spool else 0
+        room = min(self.cfg.budget.spool_max - spooled, budgets.disks(self.cfg)[1].free)
+        return (room - bpt * counts.tokens.get("inflight", 0)) // bpt
 
     # ---- ingest ---------------------------------------------------------------------------
 
