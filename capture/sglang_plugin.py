@@ -21,6 +21,7 @@ tells our requests from others (SGLang's warm-up and health checks use their own
 
 from __future__ import annotations
 
+import errno
 import itertools
 import json
 import logging
@@ -69,6 +70,12 @@ LOGITS_ARGS = ("input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_
 # sample: its dump goes to SPOT_FOLDER, out of ingest's sight (it would be a duplicate there).
 SPOT_PREFIX = "spot-"
 SPOT_FOLDER = f"{PLUGIN_FOLDER}/spot"
+# A dump the plugin could not write leaves `<sample id>.<kind>` here, an empty file (an inode,
+# no data: it is made on a full tmpfs too), kind "disk_full" (ENOSPC, EDQUOT) or "write_failed"
+# (any other error of the file system): the daemon returns the sample at once, without an
+# attempt, as the transformers worker's error event of that kind does, instead of waiting for
+# [extract] inflight_timeout_s.
+FAILED_FOLDER = f"{PLUGIN_FOLDER}/failed"
 
 WRITE_QUEUE_BATCHES = 4  # forward batches waiting for the writer before a forward waits
 
@@ -278,6 +285,8 @@ class DumpWriter:
                 try:
                     batch.arrived()  # the first call waits for the copy, the others return
                     self.write(s)
+                except OSError as exc:  # the disk's fault, never the sample's: the daemon hears
+                    self.report_failure(s, exc)
                 except Exception:  # one bad dump must not stop the others or the server
                     log.exception("eagle3d capture: no dump for request %s", s.rid)
             self._queue.task_done()
@@ -285,6 +294,21 @@ class DumpWriter:
 
     def sample_of(self, rid: str | None) -> tuple[str, str] | None:
         return request_sample(rid, self.request_key)
+
+    def report_failure(self, s: RequestSlice, exc: OSError) -> None:
+        """Leave the failed write's marker in FAILED_FOLDER (a spot check's failure is left
+        to its own timeout)."""
+        kind = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write_failed"
+        log.error("eagle3d capture: no dump for request %s (%s): %s", s.rid, kind, exc)
+        found = self.sample_of(s.rid)
+        if found is None or found[1]:
+            return
+        folder = self.spool / FAILED_FOLDER
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            os.close(os.open(folder / f"{found[0]}.{kind}", os.O_CREAT | os.O_WRONLY, 0o600))
+        except OSError as marker:  # a read-only spool: the daemon's timeout is all that is left
+            log.error("eagle3d capture: cannot report it either: %s", marker)
 
     def write(self, s: RequestSlice) -> Path | None:
         found = self.sample_of(s.rid)
@@ -441,6 +465,23 @@ def read_handshake(spool: Path, token: str) -> dict[str, Any] | None:
     except (FileNotFoundError, ValueError):  # absent, or caught between write and rename
         return None
     return found if isinstance(found, dict) and found.get("token") == token else None
+
+
+def failed_writes(spool: Path) -> list[tuple[str, str]]:
+    """(sample id, kind) of each dump the plugin reported it could not write, each reported
+    once (its marker removed as it is read)."""
+    folder = Path(spool) / FAILED_FOLDER
+    try:
+        names = os.listdir(folder)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        sid, _, kind = name.partition(".")
+        if dumpformat.SAMPLE_ID.fullmatch(sid) and kind in ("disk_full", "write_failed"):
+            found.append((sid, kind))
+        (folder / name).unlink(missing_ok=True)
+    return found
 
 
 def handshake_problem(found: dict[str, Any], contract: dict[str, Any], tp: int) -> str | None:

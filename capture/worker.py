@@ -19,8 +19,10 @@ Protocol (one JSON object per line, UTF-8):
   replies   for each sample that cannot be done (bad input; a forward that fails even alone;
             a failed write):
               {"event": "error", "ids": [SID], "error": "why"}
-            with "kind": "disk_full" added when the write failed for lack of space (the sample is
-            not at fault: the daemon returns it without counting an attempt), then, once every dump of the request is on disk, one
+            with "kind": "disk_full" added when the write failed for lack of space, "write_failed"
+            for any other file-system error (the output folder gone, a read-only disk): the sample
+            is not at fault, the daemon returns it without counting an attempt; then, once every
+            dump of the request is on disk, one
               {"event": "done", "ids": [SID, ...], "tokens": N, "seconds": S}
             naming the samples written (tokens: their total; seconds: from the request's arrival).
             A line that is not a request gets {"event": "error", "ids": [], "error": "..."}.
@@ -120,6 +122,16 @@ def sub_batches(lengths: Sequence[int], batch_tokens: int,
         groups.append(order[cut[j]:j])
         j = cut[j]
     return groups[::-1]
+
+
+def write_failure(exc: Exception) -> str | None:
+    """The error event's kind for a dump that could not be written: "disk_full" (ENOSPC,
+    EDQUOT) or "write_failed" (any other error of the file system: the folder removed, a disk
+    gone read-only), which the daemon returns without counting an attempt; None where the
+    sample itself may be at fault."""
+    if not isinstance(exc, OSError):
+        return None
+    return "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "write_failed"
 
 
 @dataclass
@@ -245,8 +257,7 @@ class Capturer:
                     written.append(job.id)
                     tokens += len(job.input_ids)
                 except Exception as exc:  # disk full, folder gone: this sample fails, not all
-                    full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
-                    errors.append((job.id, f"write failed: {exc}", "disk_full" if full else None))
+                    errors.append((job.id, f"write failed: {exc}", write_failure(exc)))
         finally:
             self.slots.release()
             with self.lock:
@@ -339,7 +350,8 @@ class Worker:
         with self.emit_lock:
             self.order.append(pending)
         if jobs and not out.is_dir():
-            pending.errors += [(j.id, f"output folder {out} does not exist") for j in jobs]
+            pending.errors += [(j.id, f"output folder {out} does not exist", "write_failed")
+                               for j in jobs]
             jobs = []
         self.capturer.submit(jobs, out, pending, self.on_complete)
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import IO, Callable, Sequence
+from typing import IO, Any, Callable, Sequence
 
 import psutil
 
@@ -239,6 +239,61 @@ class Supervisor:
         self.limit = limit
         if mended:
             self.clear()
+
+
+# How long a child may show nothing while it starts (a target's load, a first batch, the
+# trainer's compile): hours on a large model from a cold disk. Once running, a child's own
+# bound applies ([extract] engine_silence_s, [train] silence_s).
+STARTING_SILENCE_S = 2 * 3600.0
+
+
+class Silence:
+    """When a child last showed progress, by the signs its stage reads (the engine's events, the
+    trainer's progress file, the generator's commits): a child stopped by SIGSTOP, or stuck in a
+    read the kernel never answers, has not exited, and is alive only while signs come. A child
+    silent past its bound is restarted by its stage. Intervals on the monotonic clock; `since`
+    (wall clock) only for status."""
+
+    def __init__(self, child: str, bound_s: float) -> None:
+        self.child = child
+        self.bound_s = bound_s
+        self.reset()
+
+    def reset(self) -> None:
+        """A child starts: it is given STARTING_SILENCE_S until it says it runs."""
+        self.running = False
+        self._last = time.monotonic()
+        self.since = time.time()
+
+    def sign(self, running: bool = True) -> None:
+        """Progress seen; `running`: past its start (its own bound applies from now on)."""
+        self.running = running
+        self._last = time.monotonic()
+        self.since = time.time()
+
+    @property
+    def bound(self) -> float:
+        return self.bound_s if self.running else max(self.bound_s, STARTING_SILENCE_S)
+
+    def silent_for(self) -> float:
+        return time.monotonic() - self._last
+
+    def overdue(self) -> str | None:
+        """Why the child must be restarted, once its silence passed the bound; else None."""
+        silent = self.silent_for()
+        if silent <= self.bound:
+            return None
+        phase = "running" if self.running else "starting"
+        return (f"the {self.child} showed no progress for {silent:.0f} s while {phase} "
+                f"(silent since {time.strftime('%H:%M:%S', time.localtime(self.since))}; "
+                f"bound {self.bound:.0f} s)")
+
+    def status(self) -> dict[str, Any]:
+        """For status, once the silence is half the bound (a healthy child's pauses are
+        shorter): which child and since when."""
+        if self.silent_for() < self.bound / 2:
+            return {}
+        return {"silent": {"child": self.child, "since": self.since, "bound_s": self.bound}}
 
 
 def stage_failed(ledger: Ledger, event: str, line: str) -> Callable[[str], None]:

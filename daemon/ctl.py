@@ -188,6 +188,17 @@ def status_code(st: dict[str, Any]) -> int:
     return 0
 
 
+def _silent(child: dict[str, Any]) -> str:
+    """", SILENT since 12:00:00 (4m 10s; restarted after 15m 00s)" for a child that shows no
+    progress: stopped or stuck, not exited."""
+    silent = child.get("silent")
+    if not silent:
+        return ""
+    return (f", SILENT since {time.strftime('%H:%M:%S', time.localtime(silent['since']))} "
+            f"({human_s(time.time() - silent['since'])}; restarted after "
+            f"{human_s(silent['bound_s'])})")
+
+
 def render_status(st: dict[str, Any]) -> str:
     s, t, d = st["samples"], st["tokens"], st["daemon"]
     lines = []
@@ -254,14 +265,14 @@ def render_status(st: dict[str, Any]) -> str:
     if gen.get("status") == "running" or gen.get("blocked"):
         lines.append(f"generator {gen['status']}" + (f", pid {gen['pid']}" if gen.get("pid") else "")
                      + f", {gen.get('rate_per_s', 0):.2f} conversations/s, "
-                     f"{gen.get('restarts', 0)} restarts"
+                     f"{gen.get('restarts', 0)} restarts" + _silent(gen)
                      + (f": {gen['blocked']}" if gen.get("blocked") else ""))
     e = st.get("engine", {})
     if e:
         extra = f", pid {e['pid']}" if e.get("pid") else ""
         extra += f", {e['device']}" if e.get("device") else ""
         lines.append(f"engine    {e.get('status', '-')} ({e.get('kind', '?')}{extra}), "
-                     f"{e.get('restarts', 0)} restarts" +
+                     f"{e.get('restarts', 0)} restarts" + _silent(e) +
                      (f": {e['blocked']}" if e.get("blocked") else ""))
     if trainer:
         from eagle3d.statemachine import train_files  # only where there is a trainer to show
@@ -285,6 +296,8 @@ def render_status(st: dict[str, Any]) -> str:
                 if wait >= train_files.READER_LIMIT else ""))
         if "acceptance_length" in trainer:
             parts.append(f"acceptance length {trainer['acceptance_length']:.2f}")
+        if trainer.get("silent"):
+            parts.append(_silent(trainer).lstrip(", "))
         if trainer.get("blocked"):
             parts.append(trainer["blocked"])
         lines.append("trainer   " + " · ".join(parts))

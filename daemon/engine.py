@@ -158,10 +158,12 @@ class SGLangEngine:
         self.client.submit([(SPOT_PREFIX + s["id"], s["input_ids"]) for s in batch])
 
     def events(self) -> list[dict]:
-        from eagle3d.capture.sglang_plugin import SPOT_PREFIX
+        from eagle3d.capture.sglang_plugin import SPOT_PREFIX, failed_writes
         if self.ready:
             deliver_redirected(self.spool, self._redirected)
-            events = []
+            events = [{"event": "error", "ids": [sid], "kind": kind,
+                       "error": f"the capture plugin could not write the dump ({kind})"}
+                      for sid, kind in failed_writes(self.spool)]
             for event in self.client.poll():
                 if event["ids"][0].startswith(SPOT_PREFIX):
                     if event["event"] == "error":  # the spot check times out on its own

@@ -19,12 +19,12 @@ from typing import Any, Callable, Protocol
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon import budgets
-from eagle3d.daemon.children import Supervisor, remaining, stage_failed
+from eagle3d.daemon.children import Silence, Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
 from eagle3d.daemon.spool import Spool
-from eagle3d.statemachine import layout, plan_meta
+from eagle3d.statemachine import layout, plan_meta, safepath
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
 from eagle3d.statemachine.safepath import Unsafe
@@ -84,6 +84,8 @@ class ExtractStage:
                                      cfg.extract.engine_max_restarts,
                                      stage_failed(ledger, "extract_failed",
                                                   "the extract stage stopped: %s"))
+        # Progress of a ready engine with samples in flight: its events (children.Silence).
+        self.silence = Silence("engine", cfg.extract.engine_silence_s)
         self.seen: Seen | None = None
         self.budget_held: str | None = None  # the disk budget's pause, at the last observe
         self.contract: dict[str, Any] | None = None
@@ -129,12 +131,31 @@ class ExtractStage:
         remaining = bpt * (counts.tokens.get("pending", 0) + counts.tokens.get("inflight", 0))
         spooled = self.spool.bytes_waiting if self.spool else 0
         inflight = bpt * counts.tokens.get("inflight", 0)
-        return (budgets.projection_pause(self.cfg, free, remaining)
+        return (self._spool_gone()
+                or budgets.projection_pause(self.cfg, free, remaining)
                 or budgets.dataset_pause(self.cfg, free, inflight + spooled)
                 or budgets.spool_pause(self.cfg, spooled + inflight, spool_disk.free,
                                        bpt * self.cfg.extract.batch_tokens)
                 or (f"disk budget: {self.disk_full_why}; dispatch waits for it"
                     if time.monotonic() < self.disk_full_until else None))
+
+    def _spool_gone(self) -> str | None:
+        """A spool folder removed under the daemon (an rm -rf of /dev/shm/eagle3d) is made
+        again, with the checks of the start; why dispatch must wait where it cannot be. The
+        in-flight samples' dumps went with it: they go back without an attempt (a dump still
+        written for one is ingested all the same)."""
+        spool = self.cfg.paths.spool_dir
+        if spool.is_dir() and not spool.is_symlink():
+            return None
+        problem = safepath.folder_problem(spool, 0o700)
+        if problem is not None:
+            return f"spool: {spool} was removed and cannot be made again: {problem}"
+        held = self.ledger.expired_inflight(float("inf"))
+        self.ledger.release(held, f"the spool {spool} was removed under the daemon")
+        log.warning("the spool %s was removed under the daemon: made again, %d in-flight "
+                    "samples returned without an attempt", spool, len(held))
+        self.ledger.event("spool_recreated", f"{spool}: {len(held)} in-flight samples returned")
+        return None
 
     # ---- one step ---------------------------------------------------------------------------
 
@@ -176,7 +197,8 @@ class ExtractStage:
         return self.engine if self.engine is not None and self.engine.ready else None
 
     def _ensure_engine(self, start: bool) -> None:
-        """Reap an engine that exited; start one (backoff allowing) only where `start`."""
+        """Reap an engine that exited or hung; start one (backoff allowing) only where `start`."""
+        self._end_silent_engine()
         if self.engine is not None:
             code = self.engine.poll()
             if code is None:
@@ -187,10 +209,35 @@ class ExtractStage:
             return
         try:
             self.engine = self.start_engine(self.cfg, self.pid_dir, self.contract)
+            self.silence.reset()
         except EngineUnavailable as exc:
             log.error("cannot start the engine: %s", exc)
             self.ledger.event("engine_unavailable", str(exc))
             self.supervisor.terminal(str(exc))
+
+    def _end_silent_engine(self) -> None:
+        """A ready engine that holds samples and shows nothing past [extract] engine_silence_s
+        has not exited but is hung (SIGSTOP, a read the kernel never answers): it is killed and
+        restarted, the restart counted against the engine's limit. Its samples go back to
+        pending without an attempt: they never had one."""
+        engine = self.ready_engine
+        if engine is None:
+            return
+        if not self.ledger.counts().get("inflight"):
+            self.silence.sign()  # an idle engine has nothing to show
+            return
+        why = self.silence.overdue()
+        if why is None:
+            return
+        log.error("%s: killing it", why)
+        engine.stop(0.0)  # SIGKILL: a stopped or stuck process never answers SIGTERM
+        self.engine = None
+        held = self.ledger.expired_inflight(float("inf"))
+        self.ledger.release(held, why)
+        self.borrower.engine_exited()
+        self.ledger.event("engine_silent", f"{why}; {len(held)} in-flight samples returned "
+                          "without an attempt")
+        self.supervisor.exited(None, why)
 
     def _engine_exited(self, code: int) -> None:
         # An engine that knew why it could not become ready (an SGLang server whose capture
@@ -212,8 +259,11 @@ class ExtractStage:
         if self.engine is None:
             return
         for ev in self.engine.events():
-            if ev.get("event") == "error" and ev.get("kind") == "disk_full":
-                self.ledger.release(ev.get("ids", []), f"spool full: {ev.get('error')}")
+            self.silence.sign()
+            if ev.get("event") == "error" and ev.get("kind") in ("disk_full", "write_failed"):
+                # The spool's fault, never the sample's: back without an attempt, and dispatch
+                # waits a moment for the disk.
+                self.ledger.release(ev.get("ids", []), f"spool: {ev.get('error')}")
                 self.disk_full_why = "the spool's file system filled up"
                 self.disk_full_until = time.monotonic() + DISK_FULL_BACKOFF_S
             elif ev.get("event") == "error":
@@ -225,6 +275,8 @@ class ExtractStage:
 
     def _expire_inflight(self) -> None:
         timeout = self.cfg.extract.inflight_timeout_s
+        if self.silence.silent_for() >= timeout:
+            return  # a late sample is its own fault only while the engine works on others
         for sid in self.ledger.expired_inflight(time.time() - timeout):
             self.ledger.mark_retry(sid, f"no dump within {timeout:.0f} s",
                                    self.cfg.extract.max_attempts)
@@ -236,7 +288,8 @@ class ExtractStage:
         bounds = self.cfg.extract
         counts = self.ledger.counts()
         room_samples = bounds.max_inflight_samples - counts.get("inflight")
-        room_tokens = bounds.max_inflight_tokens - counts.tokens.get("inflight", 0)
+        room_tokens = min(bounds.max_inflight_tokens - counts.tokens.get("inflight", 0),
+                          self._spool_room(counts))
         while room_samples > 0 and room_tokens > 0:
             claimed = self.ledger.claim(room_samples, min(room_tokens, bounds.batch_tokens))
             if not claimed:
@@ -246,6 +299,18 @@ class ExtractStage:
                           self.cfg.paths.spool_dir)
             room_samples -= len(claimed)
             room_tokens -= sum(s.tokens for s in claimed)
+
+    def _spool_room(self, counts: Counts) -> int:
+        """Tokens whose dumps the spool still has room for: [budget] spool_max and its file
+        system's free space, less what waits there and every dump in flight, written or not
+        (the spool is empty at nearly every dispatch, and one dispatch must not take more than
+        the budget). A claim may go one sample past it, so that no long sample starves."""
+        bpt = plan_meta.read(self.ledger).bytes_per_token
+        if bpt <= 0:  # a plan from before the figure was recorded: no budget to keep
+            return self.cfg.extract.max_inflight_tokens
+        spooled = self.spool.bytes_waiting if self.spool else 0
+        room = min(self.cfg.budget.spool_max - spooled, budgets.disks(self.cfg)[1].free)
+        return (room - bpt * counts.tokens.get("inflight", 0)) // bpt
 
     # ---- ingest ---------------------------------------------------------------------------
 
@@ -324,6 +389,8 @@ class ExtractStage:
             "spool_bytes": self.spool.bytes_waiting if self.spool else 0}
         if engine is None:
             return {**out, "status": self.supervisor.state, "kind": self.cfg.target.engine}
+        if engine.ready:
+            out.update(self.silence.status())
         return {**out, "status": "ready" if engine.ready else "starting", "pid": engine.pid,
                 "kind": engine.kind, "device": engine.device,
                 "model": getattr(engine, "model", "") or self.cfg.target.model}
@@ -333,6 +400,7 @@ class ExtractStage:
 
     def reconfigure(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.silence.bound_s = cfg.extract.engine_silence_s
         # An engine that keeps dying stays stopped: its failures are the machine's (GPU, SGLang),
         # which no reload mends (`eagle3ctl retry` does).
         self.supervisor.reconfigure(cfg.extract.engine_max_restarts, mended=False)

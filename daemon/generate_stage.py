@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining, stage_failed
+from eagle3d.daemon.children import (Child, Silence, Supervisor, module_argv, remaining,
+                                     stage_failed)
 from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
@@ -44,6 +45,8 @@ class GenerateStage:
         self.supervisor = Supervisor("[generate] max_restarts", cfg.generate.max_restarts,
                                      stage_failed(ledger, "generate_failed",
                                                   "the generate stage stopped: %s"))
+        # Its progress: a conversation generated, as the ledger's counts show (children.Silence).
+        self.silence = Silence("generator", cfg.extract.engine_silence_s)
         # (time, conversations left to generate): the rate is how fast that falls.
         self.left: collections.deque[tuple[float, int]] = collections.deque()
 
@@ -53,7 +56,10 @@ class GenerateStage:
 
     def observe(self, seen: Seen) -> dict[str, Any]:
         now = time.monotonic()
-        self.left.append((now, seen.counts.get("ungenerated") + seen.counts.get("generating")))
+        left = seen.counts.get("ungenerated") + seen.counts.get("generating")
+        if self.left and left < self.left[-1][1]:
+            self.silence.sign()
+        self.left.append((now, left))
         while self.left and self.left[0][0] < now - RATE_WINDOW_S:
             self.left.popleft()
         return {"blocked": self.supervisor.fatal}
@@ -84,23 +90,28 @@ class GenerateStage:
             if started is None:
                 return
             key = started
+        self.silence.reset()
         self.child = Child("generator", generator_argv(self.cfg), self.pid_dir, env=key)
 
-    def _round_end(self, decision: Decision) -> tuple[int | None, str] | None:
+    def _round_end(self, decision: Decision) -> tuple[int | None, str, bool] | None:
         """How the running round (generator and server) ends, or None while it goes on: the
-        generator's exit; its server's death (code None); or the stage left (every answer
-        written, a failure). Both are then ended at once, so that the server is down before the
+        generator's exit; its server's death (code None); the stage left (every answer
+        written, a failure); or a generator silent past its bound (code None, its conversations
+        not charged: False). Both are then ended at once, so that the server is down before the
         next stage starts one on the same port (on the H200 the capture engine once came up
         beside the generation server, which answered its /health)."""
         assert self.child is not None
         code = self.child.poll()
         if code is not None:
-            return code, f"the generator exited with code {code}"
+            return code, f"the generator exited with code {code}", True
         server_code = self.server.poll() if self.server is not None else None
         if server_code is not None:
-            return None, f"the SGLang generation server exited with code {server_code}"
+            return None, f"the SGLang generation server exited with code {server_code}", True
         if decision.underlying != Stage.GENERATE or decision.stage == Stage.FAILED:
-            return entry.OK, "generation is over"
+            return entry.OK, "generation is over", True
+        silent = self.silence.overdue()
+        if silent is not None:
+            return None, silent, False
         return None
 
     def _start_server(self) -> dict[str, str] | None:
@@ -129,14 +140,18 @@ class GenerateStage:
             child.stop(grace)
         self.child = self.server = None
 
-    def _exited(self, code: int | None, why: str) -> None:
-        """Whatever the generator still held goes back, with an attempt counted: a conversation
-        that keeps killing the generator ends up failed, with the reason, not in a loop. `code`
-        is None when the stage ended the generator because its server died."""
+    def _exited(self, code: int | None, why: str, charged: bool) -> None:
+        """Whatever the generator still held goes back, with an attempt counted where
+        `charged`: a conversation that keeps killing the generator ends up failed, with the
+        reason, not in a loop; a hung generator is its own fault, not theirs. `code` is None
+        when the stage ended the generator (its server died, or it was silent)."""
         held = self.ledger.samples("generating")
-        for sample in held:
-            self.ledger.mark_retry(sample.id, why, self.cfg.generate.max_attempts,
-                                   frm=("generating",))
+        if not charged:
+            self.ledger.release([sample.id for sample in held], why, frm="generating")
+        else:
+            for sample in held:
+                self.ledger.mark_retry(sample.id, why, self.cfg.generate.max_attempts,
+                                       frm=("generating",))
         if code == entry.OK:
             return
         self.ledger.event("generator_exit", f"{why}, {len(held)} conversations returned")
@@ -148,6 +163,7 @@ class GenerateStage:
 
     def reconfigure(self, cfg: Config) -> None:
         self.cfg = cfg
+        self.silence.bound_s = cfg.extract.engine_silence_s
         # A generator that keeps dying stays stopped: its failures are the machine's or a
         # conversation's, which no reload mends (`eagle3ctl retry` does).
         self.supervisor.reconfigure(cfg.generate.max_restarts, mended=False)
@@ -159,6 +175,7 @@ class GenerateStage:
                                "blocked": self.supervisor.fatal}
         if self.child is not None:
             out["pid"] = self.child.pid
+            out.update(self.silence.status())
         if self.server is not None:
             out["server_pid"] = self.server.pid
         return out

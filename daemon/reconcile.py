@@ -79,22 +79,9 @@ def prepare_dirs(cfg: Config) -> None:
     for path, mode in ((state, 0o750), (layout.children_dir(state), 0o700),
                        (layout.control_dir(state), 0o700), (cfg.paths.spool_dir, 0o700),
                        (cfg.paths.dataset_dir, 0o750), (cfg.paths.train_dir, 0o750)):
-        problem = safepath.ancestor_problem(path)
+        problem = safepath.folder_problem(path, mode)
         if problem:
             raise ConfigError(problem)
-        try:
-            path.mkdir(parents=True, exist_ok=True, mode=mode)
-            st = path.lstat()
-        except OSError as exc:
-            raise ConfigError(f"cannot create {path}: {exc.strerror}") from None
-        if path.is_symlink():
-            raise ConfigError(f"{path} is a symlink; eagle3d does not follow links in its folders")
-        if st.st_mode & 0o022:
-            raise ConfigError(f"{path} is writable by its group or by everyone; run "
-                              f"chmod go-w {path}")
-        if not safepath.trusted_owner(st.st_uid):
-            raise ConfigError(f"{path} belongs to {safepath.user_name(st.st_uid)}, not the "
-                              f"daemon's user: remove it, or point [paths] elsewhere")
 
 
 class Daemon:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining, stage_failed
+from eagle3d.daemon.children import (Child, Silence, Supervisor, module_argv, remaining,
+                                     stage_failed)
 from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config, in_force_check
@@ -67,6 +68,9 @@ class TrainStage:
         self._record_failure = stage_failed(ledger, "train_failed", "%s")
         self.supervisor = Supervisor("[train] max_restarts", cfg.train.max_restarts,
                                      self._failed)
+        # The trainer's progress: progress.json rewritten (children.Silence), as last seen.
+        self.silence = Silence("trainer", cfg.train.silence_s)
+        self._progress_seen: int | None = None
         self.disk_probed = False  # the dataset's read rate, checked once per daemon
         self._set_aside: list[dict[str, Any]] | None = None  # the versions, read when asked
         self._keys(cfg)
@@ -120,7 +124,7 @@ class TrainStage:
             if not self.leaving.stopped():
                 return
             self.leaving = None
-            self.phase = "idle"
+            self.phase = "failed" if self.failure else "idle"
         if decision.stage != Stage.TRAIN:
             return
         fingerprint = self.fingerprint()
@@ -131,6 +135,8 @@ class TrainStage:
             code = self.child.poll()
             if code is not None:
                 self._finished(code, fingerprint)
+            elif self.phase == "training":
+                self._end_if_silent()
             return
         if not self.supervisor.may_start:
             return
@@ -145,6 +151,8 @@ class TrainStage:
             self.phase = "training"
             self._probe_disk()
             train_files.clear_refusal(self.dir)
+            self.silence.reset()
+            self._progress_seen = self._progress_stamp()  # an earlier trainer's is no sign
             self.child = Child("trainer", [*trainer_argv(
                 self.cfg, layout.config_in_force(self.cfg.paths.state_dir)),
                 *in_force_check(self.cfg)], self.pid_dir)
@@ -159,6 +167,35 @@ class TrainStage:
         self.child.terminate(self.cfg.train.stop_grace_s)
         self.leaving, self.child = self.child, None
         self.phase = "stopping"
+
+    def _progress_stamp(self) -> int | None:
+        try:
+            return layout.progress_file(self.dir).stat().st_mtime_ns
+        except OSError:
+            return None
+
+    def _end_if_silent(self) -> None:
+        """A trainer that has not rewritten progress.json past its bound ([train] silence_s once
+        it trains; hours while it loads or compiles) is hung, though it has not exited: it is
+        stopped (SIGTERM, SIGKILL after [train] stop_grace_s) and restarted from its last
+        checkpoint, a restart counted against [train] max_restarts."""
+        stamp = self._progress_stamp()
+        if stamp != self._progress_seen:
+            self._progress_seen = stamp
+            status = train_files.read_progress(self.dir).get("status")
+            self.silence.sign(running=status == train_files.TRAINING)
+        why = self.silence.overdue()
+        if why is None:
+            return
+        assert self.child is not None
+        log.error("%s: stopping it", why)
+        self.ledger.event("train_silent", why)
+        self.child.terminate(self.cfg.train.stop_grace_s)
+        self.leaving, self.child = self.child, None
+        self.phase = "stopping"
+        if self.supervisor.exited(None, why) is None:
+            log.warning("restarting the trainer from its last checkpoint in %.0f s",
+                        self.supervisor.retry_at - time.time())
 
     def _probe_disk(self) -> None:
         """Warn, once, where the dataset's disk is projected to read slower than the GPUs
@@ -238,6 +275,7 @@ class TrainStage:
         """A new config may mend what stopped the trainer (its [train] settings): it tries
         again."""
         self.cfg = cfg
+        self.silence.bound_s = cfg.train.silence_s
         self._keys(cfg)
         self.supervisor.reconfigure(cfg.train.max_restarts, mended=True)
 
@@ -247,6 +285,8 @@ class TrainStage:
                                "eta_s": None, "blocked": self.failure}
         if self.child is not None:
             out["pid"] = self.child.pid
+            if self.phase == "training":
+                out.update(self.silence.status())
             if self.phase == "training" and progress.get("status") in (train_files.LOADING,
                                                                         train_files.STARTING):
                 out["before_first_step"] = {"status": progress["status"],

@@ -158,6 +158,7 @@ class ExtractConfig(NamedTuple):
     max_attempts: int = 3
     engine_max_restarts: int = 5
     engine_stop_grace_s: float = 30.0  # SIGTERM to SIGKILL, for every child holding the target
+    engine_silence_s: float = 900.0  # no progress from a running engine or generator: restarted
     ingest_threads: int = 4
     rescan_interval_s: float = 5.0
 
@@ -188,6 +189,7 @@ class TrainConfig(NamedTuple):
     checkpoint_every: int = 200
     max_restarts: int = 3
     stop_grace_s: float = 60.0  # SIGTERM to SIGKILL: the trainer checkpoints in between
+    silence_s: float = 1800.0  # no progress from a training trainer (a checkpoint fits): restarted
     seed: int = 0
     threads: int = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
     report_to: str = ""  # REPORT_TO: where the curves go besides metrics.jsonl and metrics.png
@@ -637,7 +639,8 @@ def parse_config(raw: dict, path: Path) -> Config:
         "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _TOKENS,
         "max_inflight_tokens": _TOKENS, "max_inflight_samples": _POS_INT,
         "inflight_timeout_s": _SECONDS, "max_attempts": _POS_INT,
-        "engine_max_restarts": _NONNEG_INT, "engine_stop_grace_s": _GRACE, "ingest_threads": _typed(int, minimum=1, maximum=64),
+        "engine_max_restarts": _NONNEG_INT, "engine_stop_grace_s": _GRACE,
+        "engine_silence_s": _SECONDS, "ingest_threads": _typed(int, minimum=1, maximum=64),
         "rescan_interval_s": _SECONDS})
     if "dump_dtype" not in extract_raw:
         # Configs from before dump precisions: the states are stored as the target computes them.
@@ -669,7 +672,7 @@ def parse_config(raw: dict, path: Path) -> Config:
         "max_steps": _NONNEG_INT, "batch_tokens": _TOKENS, "lr": _POS_FLOAT,
         "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
         "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,
-        "max_restarts": _NONNEG_INT, "stop_grace_s": _GRACE, "seed": _SEED,
+        "max_restarts": _NONNEG_INT, "stop_grace_s": _GRACE, "silence_s": _SECONDS, "seed": _SEED,
         "threads": _NONNEG_INT, "report_to": _typed(str, choices=REPORT_TO)})
     if train.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
         raise chk.fail("train.report_to", "needs the tensorboard package in eagle3d's "

@@ -482,15 +482,17 @@ class Ledger:
                 n += cur.rowcount
         return n
 
-    def release(self, ids: Sequence[str], reason: str) -> int:
-        """In-flight samples back to pending without counting the attempt: the engine could not
-        finish them through no fault of theirs (a full spool, say)."""
+    def release(self, ids: Sequence[str], reason: str, frm: str = "inflight") -> int:
+        """In-flight samples back to pending (`frm` "generating": back to ungenerated) without
+        counting the attempt: the child could not finish them through no fault of theirs (a
+        full spool, a hung engine)."""
+        to = {"inflight": "pending", "generating": "ungenerated"}[frm]
         with self.transaction() as db:
             n = 0
             for sid in ids:
-                n += db.execute("UPDATE samples SET status = 'pending', attempts = max(attempts - 1, 0),"
-                                " updated_at = ? WHERE id = ? AND status = 'inflight'",
-                                (time.time(), sid)).rowcount
+                n += db.execute(f"UPDATE samples SET status = '{to}', attempts = max(attempts - 1, 0),"
+                                " updated_at = ? WHERE id = ? AND status = ?",
+                                (time.time(), sid, frm)).rowcount
             if n:
                 self.event("released", f"{n} samples: {reason}", None, db)
         return n

@@ -40,6 +40,28 @@ def ancestor_problem(path: Path) -> str | None:
     return None
 
 
+def folder_problem(path: Path, mode: int) -> str | None:
+    """Make `path` (and what is missing above it) with `mode`, then check it as the daemon's
+    own: in no folder another user could swap, no link, written by no one else, ours. Why not,
+    or None. The same at the start and when a folder is removed under the daemon."""
+    problem = ancestor_problem(path)
+    if problem:
+        return problem
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=mode)
+        st = path.lstat()
+    except OSError as exc:
+        return f"cannot create {path}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symlink; eagle3d does not follow links in its folders"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by its group or by everyone; run chmod go-w {path}"
+    if not trusted_owner(st.st_uid):
+        return (f"{path} belongs to {user_name(st.st_uid)}, not the daemon's user: remove it, "
+                "or point [paths] elsewhere")
+    return None
+
+
 def _chain(path: Path) -> list[Path]:
     """The folders above `path`, from / down, links resolved (a link's own folder is checked
     as the folder it names)."""

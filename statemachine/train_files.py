@@ -142,7 +142,7 @@ def done_for(train_dir: Path, fingerprint: str | None, eval_key: str) -> bool:
 
 # [train] settings that say where or how fast training runs, not what drafter it makes.
 _RUNNING_ONLY = ("nproc", "nnodes", "node_rank", "rendezvous", "device", "checkpoint_every",
-                 "max_restarts", "stop_grace_s", "threads", "report_to")
+                 "max_restarts", "stop_grace_s", "silence_s", "threads", "report_to")
 
 
 def _key(section: Any, skip: tuple[str, ...]) -> str:

@@ -184,3 +184,28 @@ def test_an_engine_that_knows_it_cannot_capture_is_not_restarted(setup):
         assert "no ready file" in stage.observe(Seen(ledger.counts(), None))["blocked"]
     finally:
         stage.stop(time.monotonic() + 10)
+
+
+def test_the_spool_budget_counts_every_dump_in_flight_before_it_is_written(config_factory):
+    """A dispatch fills the spool only up to [budget] spool_max: the dumps the engine has yet to
+    write count, not only those already in the spool (which is empty at every dispatch)."""
+    bpt = dumpformat.bytes_per_token(H, "bfloat16")
+    cfg = load_config(config_factory({
+        "extract": {"max_inflight_samples": 100, "batch_tokens": 16},
+        "budget": {"spool_max": 40 * bpt}, "verify": {"spot_checks": 0}}))
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    doc = plan(cfg, 10)
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        engine = FakeEngine(doc["fingerprint"], ledger)
+        engine.hold = True  # busy: it writes nothing yet
+        stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, lambda *args: engine)
+        try:
+            for _ in range(3):  # the loop's ticks: a budget's pause dispatches nothing
+                if stage.observe(Seen(ledger.counts(), None))["budget_pause"] is None:
+                    stage.step(EXTRACT)
+            inflight = ledger.counts().tokens.get("inflight", 0)
+            assert 0 < inflight * bpt <= cfg.budget.spool_max + 17 * bpt  # one sample past it
+            assert ledger.counts().get("pending") > 0
+        finally:
+            stage.stop(time.monotonic() + 10)

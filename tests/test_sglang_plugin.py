@@ -362,3 +362,36 @@ def test_missing_prefix_lengths_are_zero_only_with_the_radix_cache_off(tmp_path)
     assert Capture(writer, 3, radix_cache_off=True,
                    dump_dtype="bfloat16").on_forward(**batch) == len(REQUESTS)
     writer.close()
+
+
+@pytest.fixture
+def full_tmpfs(tmp_path):
+    """A real small tmpfs, filled to its last byte by someone else."""
+    import subprocess
+    from tests.pipeline import fill_file_system
+    mount = tmp_path / "small-spool"
+    mount.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)],
+                   check=True)
+    (mount / "sglang").mkdir()  # the plugin's folder, made at its start
+    fill_file_system(mount)
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_dump_the_full_spool_cannot_hold_reaches_the_daemon_as_a_disk_event(tmp_path,
+                                                                             full_tmpfs):
+    """ENOSPC in the plugin's writer: no partial dump, and the daemon reads which sample and why
+    at its next look (not after [extract] inflight_timeout_s), once."""
+    from eagle3d.capture.sglang_plugin import failed_writes
+    table = hidden_table()
+    writer = DumpWriter(full_tmpfs, CONTRACT, ledger_loss_masks(plan(tmp_path, REQUESTS)))
+    capture = Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16")
+    requests = [(sample_id(ids), ids) for ids in REQUESTS]
+    assert capture.on_forward(**extend_batch(requests, table)) == len(REQUESTS)
+    writer.flush()
+    assert writer.written == 0
+    assert not [p for p in full_tmpfs.iterdir() if p.name.endswith(dumpformat.SUFFIX)]
+    assert sorted(failed_writes(full_tmpfs)) == sorted((sid, "disk_full") for sid, _ in requests)
+    assert failed_writes(full_tmpfs) == []
+    writer.close()

@@ -1,0 +1,104 @@
+"""A child counts as alive only while it shows progress: a real SIGSTOP of the real engine and
+of a trainer is shown in status, the child is restarted after its bound, the restart is charged
+to the child and no sample is charged an attempt."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+from eagle3d.daemon import train_stage
+from eagle3d.daemon.train_stage import TrainStage
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.ledger import Ledger
+from eagle3d.statemachine.stages import Decision, Stage
+from tests.pipeline import DaemonProcess, ctl, status, wait_for
+
+
+def _continue(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGCONT)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.mark.slow
+def test_a_stopped_engine_is_shown_silent_restarted_and_no_sample_is_charged(config_factory):
+    config = config_factory({"data": {"limit": 40, "max_tokens": 600},
+                             "extract": {"batch_tokens": 1024, "max_inflight_tokens": 2048,
+                                         "engine_silence_s": 8},
+                             "verify": {"spot_checks": 0}})
+    with DaemonProcess(config, "--until", "train") as d:
+        st = d.status_until(lambda s: s["engine"].get("status") == "ready"
+                            and s["samples"]["inflight"] > 0 and s["samples"]["extracted"] >= 1,
+                            300, "the engine mid-extraction")
+        stopped = st["engine"]["pid"]
+        os.killpg(stopped, signal.SIGSTOP)  # alive, and silent: a wedged engine
+        try:
+            st = d.status_until(lambda s: s["engine"].get("silent"), 60, "the engine shown silent")
+            assert st["engine"]["silent"]["child"] == "engine"
+            assert time.time() - st["engine"]["silent"]["since"] < 60
+            assert "SILENT since" in ctl(config, "status").stdout
+            d.status_until(lambda s: s["engine"].get("pid") not in (None, stopped), 120,
+                           "a new engine in place of the silent one")
+        finally:
+            _continue(stopped)
+        assert d.wait(600) == 0, d.output()[-4000:]
+    st = status(config)
+    assert st["samples"]["verified"] == st["samples"]["total"] > 0
+    assert st["samples"]["failed"] == 0 and st["engine"]["restarts"] >= 1
+    cfg = load_config(config)
+    with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:
+        assert {s.attempts for s in ledger.samples("verified")} == {1}
+        assert not ledger.events_of(("attempt_failed", "failed"))
+        assert ledger.events_of(("engine_silent",))
+
+
+TRAINER = """
+import sys, time
+from eagle3d.statemachine import train_files
+progress = train_files.ProgressWriter(sys.argv[1], "f" * 32, total_steps=10**6)
+progress.write(train_files.LOADING)
+step = 0
+while True:
+    step += 1
+    progress.write(train_files.TRAINING, step=step)
+    time.sleep(0.2)
+"""
+
+
+def test_a_stopped_trainer_is_shown_silent_then_restarted(config_factory, monkeypatch):
+    cfg = load_config(config_factory({"train": {"silence_s": 3, "max_restarts": 2,
+                                                 "stop_grace_s": 2}}))
+    cfg.paths.state_dir.mkdir(parents=True)
+    monkeypatch.setattr(train_stage, "trainer_argv",
+                        lambda cfg, path: [sys.executable, "-c", TRAINER, str(cfg.paths.train_dir)])
+    train = Decision(Stage.TRAIN, "test", Stage.TRAIN)
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        stage = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: "f" * 32)
+        try:
+            stage.step(train)
+            first = stage.child.pid
+            wait_for(lambda: stage.step(train) or stage.status().get("step", 0) >= 3, 60,
+                     "the trainer's first steps")
+            os.kill(first, signal.SIGSTOP)
+            st = wait_for(lambda: stage.step(train) or stage.status().get("silent"), 30,
+                          "the trainer shown silent", poll=0.2)
+            assert st["child"] == "trainer" and st["bound_s"] == 3
+            assert stage.status()["status"] == "training"
+            wait_for(lambda: stage.step(train) or stage.child is None, 30, "the trainer stopped",
+                     poll=0.2)
+            assert stage.supervisor.restarts == 1 and stage.failure is None
+            stage.supervisor.retry_at = 0  # the backoff, elapsed
+            wait_for(lambda: stage.step(train) or stage.child is not None, 60,
+                     "a new trainer", poll=0.2)
+            assert stage.child.pid != first and stage.status()["status"] == "training"
+            assert [kind for _, kind, _ in ledger.events_of(("train_silent",))] == ["train_silent"]
+        finally:
+            _continue(first)
+            stage.stop(time.monotonic() + 10)
