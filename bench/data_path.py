@@ -6,7 +6,8 @@ states encoded by precision.encode_states as the capture encodes them), then, in
 
 - the disk's sequential read rate of those files: plain 16 MiB reads, one stream per reader
   process, each file evicted from the page cache after it is read;
-- the reader alone (drafter/reader.py's batches, to the device, no step) over the same files;
+- the reader alone (drafter/reader.py's batches, to the device, no step) over the same files,
+  checking each file against its checksum as the trainer does;
 - the trainer (drafter/train.py's build_drafter, make_optimizer, train_step through
   bench/gpu_train.py's OurTrainer) fed the same batches from memory (held on the device), then
   fed from disk by the reader as train_loop feeds it: read ahead, copied, decoded on the device.
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_train import (KIMI_K25, LLAMA_8B, TINY, OurTrainer, Shape,  # noqa: E402
                        bench_device, initial_weights, random_target, synchronize)
 
-from eagle3d.dataset import dumpformat, precision  # noqa: E402
+from eagle3d.dataset import checksum, dumpformat, precision  # noqa: E402
 from eagle3d.drafter import data, reader  # noqa: E402
 from eagle3d.statemachine.config import FP8  # noqa: E402
 
@@ -85,9 +86,10 @@ def memory_bytes() -> int:
 
 
 def write_dataset(folder: Path, shape: Shape, dump_dtype: str, seq_len: int, count: int,
-                  device: torch.device) -> list[Path]:
+                  device: torch.device) -> tuple[list[Path], list[tuple[str, str]]]:
     """`count` dumps of `seq_len` tokens, written as the pipeline writes them, then flushed to
-    the disk and evicted from the page cache."""
+    the disk and evicted from the page cache; and (sample id, checksum) of each, as verify
+    records them for the trainer's reader to check."""
     g = torch.Generator(device=device).manual_seed(0)
     entries = []
     for _ in range(TEMPLATES):
@@ -101,10 +103,11 @@ def write_dataset(folder: Path, shape: Shape, dump_dtype: str, seq_len: int, cou
             **{name: precision.dump_entry(t) for name, t in states.items()}})
     paths = [dumpformat.write_dump(folder, f"{n:032x}", "bench", entries[n % TEMPLATES])
              for n in range(count)]
+    recorded = [(path.stem, checksum.file_checksum(path)) for path in paths]
     os.sync()
     for path in paths:
         evict(path)
-    return paths
+    return paths, recorded
 
 
 def plain_read(paths: list[Path]) -> int:
@@ -122,10 +125,10 @@ def plain_read(paths: list[Path]) -> int:
     return total
 
 
-def read_batches(paths: list[Path], plan: list[data.Planned], device: torch.device,
-                 ahead: int, threads: int) -> int:
+def read_batches(paths: list[Path], recorded: list[tuple[str, str]], plan: list[data.Planned],
+                 device: torch.device, ahead: int, threads: int) -> int:
     """The reader alone: every planned batch read and put on the device; returns the bytes."""
-    for _ in reader.batches(paths, plan, device, ahead, threads, evict=True):
+    for _ in reader.batches(paths, plan, device, ahead, threads, evict=True, recorded=recorded):
         pass
     synchronize(device)
     return sum(paths[i].stat().st_size for planned in plan for i in planned.indices)
@@ -163,12 +166,12 @@ def train_from_memory(trainer: OurTrainer, held: list[data.Batch], warmup: int, 
     return Timed(seconds, sum(held[i % len(held)].tokens for i in range(steps)))
 
 
-def train_from_disk(trainer: OurTrainer, paths: list[Path], plan: list[data.Planned],
-                    warmup: int, steps: int, device: torch.device, ahead: int,
-                    threads: int) -> Timed:
+def train_from_disk(trainer: OurTrainer, paths: list[Path], recorded: list[tuple[str, str]],
+                    plan: list[data.Planned], warmup: int, steps: int, device: torch.device,
+                    ahead: int, threads: int) -> Timed:
     """As train_loop: the reader's batches, `warmup` steps untimed, then `steps` timed, with the
     seconds spent waiting for each batch."""
-    loader = reader.batches(paths, plan, device, ahead, threads, evict=True)
+    loader = reader.batches(paths, plan, device, ahead, threads, evict=True, recorded=recorded)
     try:
         for _ in range(warmup):
             trainer.train(next(loader))
@@ -190,9 +193,9 @@ def train_from_disk(trainer: OurTrainer, paths: list[Path], plan: list[data.Plan
     return Timed(seconds, tokens, nbytes, waited)
 
 
-def rank_reads(rank: int, world: int, paths: list[Path], lengths: list[int],
-               batch_tokens: int, kind: str, ahead: int, threads: int, barrier,
-               results) -> None:
+def rank_reads(rank: int, world: int, paths: list[Path], recorded: list[tuple[str, str]],
+               lengths: list[int], batch_tokens: int, kind: str, ahead: int, threads: int,
+               barrier, results) -> None:
     """One of `world` reader processes: its share of the epoch's plan, first with plain reads,
     then with the reader; each phase starts with every process at the barrier."""
     device = bench_device(kind)
@@ -200,7 +203,7 @@ def rank_reads(rank: int, world: int, paths: list[Path], lengths: list[int],
     mine = sorted({paths[i] for planned in plan for i in planned.indices})
     times = []
     for phase in (lambda: plain_read(mine),
-                  lambda: read_batches(paths, plan, device, ahead, threads)):
+                  lambda: read_batches(paths, recorded, plan, device, ahead, threads)):
         barrier.wait()
         start = time.time()
         nbytes = phase()
@@ -213,13 +216,15 @@ def aggregate(times: list[tuple[float, float, int]]) -> float:
     return sum(t[2] for t in times) / (max(t[1] for t in times) - min(t[0] for t in times))
 
 
-def many_readers(world: int, paths: list[Path], lengths: list[int], batch_tokens: int,
-                 kind: str, ahead: int, threads: int) -> tuple[float, float]:
+def many_readers(world: int, paths: list[Path], recorded: list[tuple[str, str]],
+                 lengths: list[int], batch_tokens: int, kind: str, ahead: int,
+                 threads: int) -> tuple[float, float]:
     """Aggregate (plain, reader) bytes/s of `world` processes, each its rank's share."""
     ctx = multiprocessing.get_context("spawn")
     barrier, results = ctx.Barrier(world), ctx.Queue()
-    procs = [ctx.Process(target=rank_reads, args=(rank, world, paths, lengths, batch_tokens,
-                                                  kind, ahead, threads, barrier, results))
+    procs = [ctx.Process(target=rank_reads, args=(rank, world, paths, recorded, lengths,
+                                                  batch_tokens, kind, ahead, threads, barrier,
+                                                  results))
              for rank in range(world)]
     for p in procs:
         p.start()
@@ -287,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = (args.dataset_gib if args.dataset_gib is not None else 0.01 if args.tiny else 16)
     count = max(round(wanted * 2**30 / file_bytes), (args.warmup + args.steps) * per_batch,
                 args.readers * per_batch)
-    paths = write_dataset(folder, shape, dump_dtype, seq_len, count, device)
+    paths, recorded = write_dataset(folder, shape, dump_dtype, seq_len, count, device)
     lengths = [seq_len] * count
     dataset = sum(p.stat().st_size for p in paths)
     larger = dataset > memory_bytes()
@@ -301,8 +306,8 @@ def main(argv: list[str] | None = None) -> int:
           f"reader: {args.ahead} batches ahead, {args.threads} threads per process")
 
     if args.readers > 1:
-        plain, ours = many_readers(args.readers, paths, lengths, batch_tokens, device.type,
-                                   args.ahead, args.threads)
+        plain, ours = many_readers(args.readers, paths, recorded, lengths, batch_tokens,
+                                   device.type, args.ahead, args.threads)
         print(f"{args.readers} processes, each its rank's share: plain reads {mb(plain)}, "
               f"the reader {mb(ours)} (aggregate)")
         print(f"reader bytes/s / disk sequential bytes/s, {args.readers} processes: "
@@ -312,17 +317,18 @@ def main(argv: list[str] | None = None) -> int:
     plan = data.plan_epoch(lengths, batch_tokens, seed=0, epoch=0, world=1)[0]
     seconds, nbytes = timed(lambda: plain_read(paths), device)
     disk = Timed(seconds, nbytes=nbytes)
-    seconds, nbytes = timed(lambda: read_batches(paths, plan, device, args.ahead, args.threads),
-                            device)
+    seconds, nbytes = timed(lambda: read_batches(paths, recorded, plan, device, args.ahead,
+                                                 args.threads), device)
     alone = Timed(seconds, nbytes=nbytes)
 
     target = random_target(shape, device)
     weights = initial_weights(shape, target, seq_len + TTT, device)
     trainer = OurTrainer(shape, target, weights, seq_len + TTT, LR, TTT, device)
-    held = list(reader.batches(paths, plan[:min(len(plan), 8)], device, evict=True))
+    held = list(reader.batches(paths, plan[:min(len(plan), 8)], device, evict=True,
+                               recorded=recorded))
     memory = train_from_memory(trainer, held, args.warmup, args.steps, device)
     del held
-    disk_fed = train_from_disk(trainer, paths, plan, args.warmup, args.steps, device,
+    disk_fed = train_from_disk(trainer, paths, recorded, plan, args.warmup, args.steps, device,
                                args.ahead, args.threads)
     needed = memory.tokens_per_s * dumpformat.bytes_per_token(shape.hidden, dump_dtype)
     print(f"disk, plain {PLAIN_READ >> 20} MiB reads: {mb(disk.bytes_per_s)}; the reader alone "

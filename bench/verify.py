@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from eagle3d.dataset import dumpformat
-from eagle3d.daemon import checksum
+from eagle3d.dataset import checksum
 from eagle3d.daemon.verify import Expected, verify_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -27,7 +27,7 @@ from pathlib import Path
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.dumpformat import DumpError
-from eagle3d.daemon import checksum
+from eagle3d.dataset import checksum
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.verify import Expected, scan
 from eagle3d.statemachine import layout, safepath

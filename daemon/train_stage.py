@@ -238,6 +238,9 @@ class TrainStage:
         if code == entry.OK and name == "trainer":
             return  # trained and exported: the next step evaluates
         refused = self._refusal(name, code)
+        if refused is not None and refused.code == entry.DATASET_CHANGED and \
+                self._send_back(refused):
+            return
         if refused is not None:
             code = refused.code
         said = f"{name} exited with code {code}" + (f": {refused.reason}" if refused else "")
@@ -252,6 +255,19 @@ class TrainStage:
                   f"{supervisor.restarts} of {supervisor.limit})")
         log.warning("%s", detail)
         self.ledger.event("train_restart", detail)
+
+    def _send_back(self, refused: train_files.Refused) -> bool:
+        """The trainer found files changed since verify passed them: their samples go back to
+        verify (which re-reads each, and has a damaged one extracted again), and the manifest
+        that lists them goes until verify writes it again. No restart is charged. False where
+        none of them is this ledger's to send back (another shard's): a refusal like any other."""
+        n = self.ledger.unverify(refused.samples, f"the trainer: {refused.reason}")
+        if not n:
+            return False
+        layout.manifest_file(self.cfg.paths.dataset_dir).unlink(missing_ok=True)
+        self.phase = "idle"
+        log.warning("%s: %d samples back to verify", refused.reason, n)
+        return True
 
     def _failed(self, reason: str) -> None:
         self.phase = "failed"

@@ -26,9 +26,9 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from eagle3d.dataset import dumpformat, precision
+from eagle3d.dataset import checksum, dumpformat, precision
 from eagle3d.dataset.dumpformat import DumpError, DumpHeader, TensorInfo
-from eagle3d.daemon import checksum
+from eagle3d.statemachine.manifest import stat_key
 
 CHUNK = 8 << 20  # a multiple of every element size, larger than any header (MAX_HEADER)
 
@@ -58,12 +58,6 @@ class Expected:
     contract_fingerprint: str
     hidden_size: int
     dtype: str  # the contract's dump dtype: "bfloat16", "float16", "float32", "float8_e4m3fn"
-
-
-def stat_key(st: os.stat_result) -> str:
-    """Changes whenever the file is rewritten or replaced, so an unchanged key lets the daemon
-    skip a file that already passed."""
-    return f"{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
 
 
 def check_file(e: Expected, from_disk: bool = False) -> tuple[str | None, str | None]:

@@ -243,8 +243,14 @@ def open_dump(path: str | os.PathLike) -> int:
 
 
 def header_of(fd: int) -> DumpHeader:
-    """Read and validate the header of the dump open at `fd`: one pread of HEAD bytes holds a
-    whole header, a second reads the rest of a longer one."""
+    """Read and validate the header of the dump open at `fd`."""
+    return header_and_bytes(fd)[0]
+
+
+def header_and_bytes(fd: int) -> tuple[DumpHeader, bytes]:
+    """The header of the dump open at `fd`, validated, and its bytes as the file holds them (up
+    to the first tensor's: a checksum of the whole file begins with them). One pread of HEAD
+    bytes holds a whole header, a second reads the rest of a longer one."""
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise DumpError("not a regular file")
@@ -253,7 +259,8 @@ def header_of(fd: int) -> DumpHeader:
         (n,) = struct.unpack("<Q", head[:8])
         if len(head) < 8 + n <= min(st.st_size, 8 + MAX_HEADER):
             head += os.pread(fd, 8 + n - len(head), len(head))
-    return parse_header(head, st.st_size)
+    header = parse_header(head, st.st_size)
+    return header, head[:min(t.begin for t in header.tensors.values())]
 
 
 def read_header(path: str | os.PathLike) -> DumpHeader:

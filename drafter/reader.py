@@ -6,6 +6,12 @@ from the page cache (or the disk) into the batch. The batch lives in a Slot, a h
 allocated once (pinned on CUDA) and reused for batch after batch, so host memory is the slots'
 however large the dataset is. Padding is zeroed, so a batch is exactly what reading each dump
 and padding it would give (with fp8 the padding's scales are zero too: it decodes to zero).
+
+Every file read is checked against the checksum verify recorded for it, over the bytes just
+read (the header's and the tensors', the whole file): a file changed since verify passed it (a
+bit flipped on the disk) stops the trainer with DatasetChanged, naming it, before any of its
+batch is trained on. xxh3 hashes ~20 GB/s on one core without the GIL: beside the read, it
+costs nothing bench/data_path.py can measure.
 """
 
 from __future__ import annotations
@@ -14,14 +20,15 @@ import collections
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import torch
 
-from eagle3d.dataset import dumpformat
+from eagle3d.dataset import checksum, dumpformat
 from eagle3d.dataset.dumpformat import (DTYPE_NAMES, DTYPE_SIZES, INPUT_IDS, LOSS_MASK, DumpError,
                                         DumpHeader)
 from eagle3d.drafter.data import Batch, Planned, StoredBatch
+from eagle3d.statemachine.entry import DatasetChanged
 
 ALIGN = 64  # every tensor of a slot starts at a multiple of this: any dtype may view it
 # The dump format's dtypes as torch's: dumpformat names each by its torch name.
@@ -34,11 +41,27 @@ READ_AHEAD = 4
 READERS = 4
 
 
-def header_of(fd: int, path: Path) -> DumpHeader:
+def header_of(fd: int, path: Path) -> tuple[DumpHeader, bytes]:
+    """The dump's header and its bytes (dumpformat.header_and_bytes), an error naming `path`."""
     try:
-        return dumpformat.header_of(fd)
+        return dumpformat.header_and_bytes(fd)
     except DumpError as exc:
         raise DumpError(f"{path}: {exc}") from None
+
+
+def check_sum(path: Path, recorded: tuple[str, str], head: bytes,
+              tensors: list[memoryview]) -> None:
+    """The file's bytes as read (its header's, then its tensors' in file order) against the
+    checksum verify recorded for sample `recorded[0]`."""
+    h = checksum.hasher()
+    h.update(head)
+    for view in tensors:
+        h.update(view)
+    sid, want = recorded
+    if checksum.digest(h) != want:
+        raise DatasetChanged(f"refusing to train: {path} (sample {sid}) changed since verify "
+                             f"passed it: its checksum is {checksum.digest(h)}, verify "
+                             f"recorded {want}", [sid])
 
 
 def read_fully(fd: int, buffers: list[memoryview], offset: int, path: Path) -> None:
@@ -85,26 +108,29 @@ class Slot:
             self.buffer = torch.empty(end, dtype=torch.uint8, pin_memory=self.pin)
         return [self.buffer[s:s + size] for s, size in zip(starts, sizes)]
 
-    def fill(self, paths: list[Path], planned: Planned, answers_only: bool,
-             evict: bool) -> StoredBatch:
+    def fill(self, paths: list[Path], planned: Planned, answers_only: bool, evict: bool,
+             recorded: Sequence[tuple[str, str]] | None = None) -> StoredBatch:
         """Read the planned batch's dumps into this slot, right-padded to the longest.
         `evict` drops each file from the page cache once read (a dataset read once per epoch
-        gains nothing from it staying there)."""
+        gains nothing from it staying there). `recorded`: see `batches`."""
         fds: list[int] = []
         try:
             for i in planned.indices:
                 fds.append(dumpformat.open_dump(paths[i]))
                 # The kernel reads ahead twice as far.
                 os.posix_fadvise(fds[-1], 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            headers = [header_of(fd, paths[i]) for fd, i in zip(fds, planned.indices)]
-            return self._read(fds, [paths[i] for i in planned.indices], headers,
-                              planned.trained, answers_only, evict)
+            heads = [header_of(fd, paths[i]) for fd, i in zip(fds, planned.indices)]
+            return self._read(fds, [paths[i] for i in planned.indices], heads,
+                              planned.trained, answers_only, evict,
+                              recorded and [recorded[i] for i in planned.indices])
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _read(self, fds: list[int], paths: list[Path], headers: list[DumpHeader],
-              trained: bool, answers_only: bool, evict: bool) -> StoredBatch:
+    def _read(self, fds: list[int], paths: list[Path], heads: list[tuple[DumpHeader, bytes]],
+              trained: bool, answers_only: bool, evict: bool,
+              recorded: list[tuple[str, str]] | None) -> StoredBatch:
+        headers = [header for header, _ in heads]
         first = headers[0]
         names = list(first.tensors)
         row = {name: _row_bytes(first, name) for name in names}
@@ -124,8 +150,11 @@ class Slot:
             # Each file's own order: the format lets a writer lay the tensors out in any order
             # (safetensors' own sorts them by dtype), and its header says which.
             in_file = sorted(names, key=lambda name: header.tensors[name].begin)
-            read_fully(fd, [memoryview(arrays[name][start * row[name]:(start + n) * row[name]])
-                            for name in in_file], header.tensors[in_file[0]].begin, path)
+            views = [memoryview(arrays[name][start * row[name]:(start + n) * row[name]])
+                     for name in in_file]
+            read_fully(fd, list(views), header.tensors[in_file[0]].begin, path)
+            if recorded:
+                check_sum(path, recorded[b], heads[b][1], views)
             if evict:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         typed = {name: flat[name].view(TORCH_DTYPES[first.tensors[name].dtype]).view(
@@ -151,10 +180,12 @@ def _row_bytes(header: DumpHeader, name: str) -> int:
 
 def batches(paths: list[Path], plan: Iterable[Planned], device: torch.device,
             ahead: int = READ_AHEAD, readers: int = READERS, answers_only: bool = True,
-            evict: bool = False) -> Iterator[Batch]:
+            evict: bool = False, recorded: Sequence[tuple[str, str]] | None = None
+            ) -> Iterator[Batch]:
     """The planned batches on `device`, in order, padded to each batch's longest sample. The
     loss counts where the next token is an answer's (loss-masked), or at every position but a
-    row's last without `answers_only`.
+    row's last without `answers_only`. `recorded`: (sample id, checksum) of each path, as
+    verify recorded them; each file read is checked against it (DatasetChanged).
 
     `ahead` batches are held on the host at once (pinned on CUDA), read by up to `readers`
     threads while the device trains (preadv releases the GIL), each into a slot of its own that
@@ -178,7 +209,8 @@ def batches(paths: list[Path], plan: Iterable[Planned], device: torch.device,
         if job is not None:
             k, planned = job
             slot = slots[k % len(slots)]
-            pending.append((slot, pool.submit(slot.fill, paths, planned, answers_only, evict)))
+            pending.append((slot, pool.submit(slot.fill, paths, planned, answers_only, evict,
+                                              recorded)))
     try:
         for _ in slots:
             submit()

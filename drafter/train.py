@@ -2,7 +2,9 @@
 
 Reads the verified dataset (refusing one that no longer matches the ledger or a target that is
 not the dataset's, with the exit codes of statemachine/entry.py, also written to refusal.json
-since torchrun turns them into 1), builds
+since torchrun turns them into 1; a file changed since verify passed it, by its size and time
+at the start or by its checksum as the reader reads it, is refused naming its sample, which the
+daemon sends back to verify), builds
 or reloads the draft vocabulary, trains with the training-time test under DDP, checkpoints every
 [train] checkpoint_every steps and on SIGTERM, resumes from the last checkpoint of the same
 manifest, and ends with `export/` (SGLang layout), `metrics.jsonl` and `metrics.png` in the
@@ -40,7 +42,7 @@ from eagle3d.statemachine import layout, train_files
 from eagle3d.statemachine import manifest as manifest_mod
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import Config
-from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
+from eagle3d.statemachine.entry import OK, ContractMismatch, DatasetChanged, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, LedgerError
 from eagle3d.statemachine.lifecycle import die_with_parent
 
@@ -106,19 +108,30 @@ def checked_manifest(cfg: Config) -> dict[str, Any]:
     return trained
 
 
+def read_dump(path: Path) -> tuple[dumpformat.DumpHeader, os.stat_result]:
+    """A dataset file's header and its stat, of one open file; Refusal naming it."""
+    try:
+        fd = dumpformat.open_dump(path)
+        try:
+            return dumpformat.header_of(fd), os.fstat(fd)
+        finally:
+            os.close(fd)
+    except (OSError, dumpformat.DumpError) as exc:
+        raise Refusal(f"refusing to train: {path}: {exc}") from None
+
+
 def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
     """What each rank checks with its own node's files against node 0's manifest: the target
     weights it loads the embedding and head from, and the headers of its share of the node's
     dataset files (the node's ranks together read every file's header): sample, contract and
-    token count."""
+    token count, then each file's size and modification time against verify's (DatasetChanged,
+    naming every changed file of the share: the daemon sends them all back to verify at once)."""
     identity.check(manifest["contract"], cfg.target.model_path, cfg.target.model)
     share = slice(rt.local_rank, None, rt.local_world)
     paths = data.sample_paths(manifest, shards.samples_root(cfg))[share]
+    changed: list[tuple[str, str]] = []
     for sample, path in zip(manifest["samples"][share], paths):
-        try:
-            header = dumpformat.read_header(path)
-        except (OSError, dumpformat.DumpError) as exc:
-            raise Refusal(f"refusing to train: {path}: {exc}") from None
+        header, st = read_dump(path)
         wanted = (sample["id"], manifest["contract"]["fingerprint"])
         if (header.sample_id, header.contract) != wanted:
             raise Refusal(f"refusing to train: {path} holds sample {header.sample_id} of contract "
@@ -128,6 +141,14 @@ def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
         if sample.get("tokens") != header.tokens:
             raise Refusal(f"refusing to train: {path} holds {header.tokens} tokens, the manifest "
                           f"lists {sample.get('tokens')!r} for sample {sample['id']}")
+        why = manifest_mod.file_changed(sample, st)
+        if why:
+            changed.append((sample["id"], f"{path} ({why})"))
+    if changed:
+        named = "; ".join(said for _, said in changed[:3])
+        more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+        raise DatasetChanged(f"refusing to train: {len(changed)} dataset file(s) changed since "
+                             f"verify passed them: {named}{more}", [sid for sid, _ in changed])
 
 
 def draft_vocabulary(cfg: Config, rt: Runtime, manifest: dict[str, Any], paths: list[Path],
@@ -273,6 +294,8 @@ class Run:
         self.dir = cfg.paths.train_dir
         self.paths = data.sample_paths(manifest, shards.samples_root(cfg))
         self.lengths = [s["tokens"] for s in manifest["samples"]]
+        # What verify recorded of each file: the reader checks every file it reads against it.
+        self.recorded = [(s["id"], s["checksum"]) for s in manifest["samples"]]
         self.progress = train_files.ProgressWriter(self.dir, self.fingerprint) if rt.main else None
         self.step = 0  # where it stands in the data too: data.position
 
@@ -322,7 +345,8 @@ def agreed_manifest(cfg: Config, rt: Runtime) -> dict[str, Any]:
     refused = [(node, exc) for node, exc in gathered if exc is not None]
     if refused:
         node, exc = refused[0]
-        raise type(exc)(f"node {node} of {cfg.train.nnodes}: {exc}")
+        exc.args = (f"node {node} of {cfg.train.nnodes}: {exc}",)  # keeps what else it holds
+        raise exc
     return manifest
 
 
@@ -421,7 +445,8 @@ def train_loop(run: Run) -> bool:
                         if cfg.train.report_to == "tensorboard" else None)
     # This rank's batches from where the run stands to its last step.
     loader = reader.batches(run.paths, data.remaining(run.plans, run.step, run.total - run.step),
-                            rt.device, answers_only=cfg.train.loss_on == "answers")
+                            rt.device, answers_only=cfg.train.loss_on == "answers",
+                            recorded=run.recorded)
     pending: StepFigures | None = None  # the step before, not yet reported
     try:
         while run.step < run.total:
@@ -495,7 +520,8 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
         return train(cfg, rt)
     except Refusal as exc:
         # Under torchrun the exit code reaches the daemon as 1: the file says what it was.
-        train_files.write_refusal(cfg.paths.train_dir, train_files.Refused(exc.code, str(exc)))
+        train_files.write_refusal(cfg.paths.train_dir, train_files.Refused(
+            exc.code, str(exc), exc.samples))
         raise
     finally:
         if rt.world > 1 and dist.is_initialized():

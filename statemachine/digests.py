@@ -4,7 +4,7 @@ hash, and the short keys in run and drafter-version folder names. BLAKE2b, fast 
 Installs have written these values down (folder names, ledgers, contracts, manifests, the shard
 each conversation belongs to), so neither the algorithm, nor the sizes, nor the way a caller
 serializes what it digests may change: tests/test_digests.py pins them. The dataset's file
-checksums are another thing, xxh3 (daemon/checksum.py).
+checksums are another thing, xxh3 (dataset/checksum.py).
 """
 
 from __future__ import annotations

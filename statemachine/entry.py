@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from eagle3d.statemachine.config import (IN_FORCE_OPTION, Config, ConfigError, check_in_force,
                                           load_config)
@@ -22,18 +22,34 @@ DIVERGED = 1
 REFUSED = 2
 # The target or the config does not match the dataset's capture contract.
 CONTRACT_MISMATCH = 3
-# Exits a restart cannot change: the same input meets the same refusal.
-FINAL = (REFUSED, CONTRACT_MISMATCH)
+# A dataset file is not what verify recorded (its size, time or checksum): the daemon sends its
+# sample back to verify, which re-reads it and has it extracted again if it is damaged.
+DATASET_CHANGED = 4
+# Exits a restart cannot change: the same input meets the same refusal (a changed dataset file
+# too, where the daemon could not send its sample back: another node's).
+FINAL = (REFUSED, CONTRACT_MISMATCH, DATASET_CHANGED)
 
 
 class Refusal(Exception):
     """A child's reason to stop that the operator must act on; the message says what to do."""
 
     code = REFUSED
+    samples: tuple[str, ...] = ()  # the dataset samples the daemon sends back to verify
 
 
 class ContractMismatch(Refusal):
     code = CONTRACT_MISMATCH
+
+
+class DatasetChanged(Refusal):
+    """Dataset files that differ from what verify recorded: the daemon, not the operator, acts
+    on it."""
+
+    code = DATASET_CHANGED
+
+    def __init__(self, message: str, samples: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.samples = tuple(samples)
 
 
 def child_main(process: str, description: str, run: Callable[[Config, argparse.Namespace], int],

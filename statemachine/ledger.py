@@ -456,17 +456,23 @@ class Ledger:
                                  "dispatched_at": checked.dispatched_at}, verified_stat=stat)
 
     def unverify_all(self, reason: str) -> int:
-        """Every verified sample back to extracted, to be verified again: a transition guarded
-        by the state it comes from and one event per sample, in one transaction (a million
-        samples must not cost a million commits)."""
+        """Every verified sample back to extracted, to be verified again."""
+        return self.unverify(None, reason)
+
+    def unverify(self, ids: Sequence[str] | None, reason: str) -> int:
+        """These verified samples (all, for None) back to extracted, to be verified again: a
+        transition guarded by the state it comes from and one event per sample, in one
+        transaction (a million samples must not cost a million commits)."""
         now = time.time()
         with self.transaction() as db:
-            ids = [(sid,) for sid, in db.execute("SELECT id FROM samples WHERE status = 'verified'")]
-            db.executemany("UPDATE samples SET status = 'extracted', updated_at = ? WHERE id = ? "
-                           "AND status = 'verified'", [(now, sid) for sid, in ids])
+            listed = db.execute("SELECT id FROM samples WHERE status = 'verified'").fetchall() \
+                if ids is None else [(sid,) for sid in ids]
+            moved = [sid for sid, in listed
+                     if db.execute("UPDATE samples SET status = 'extracted', updated_at = ? "
+                                   "WHERE id = ? AND status = 'verified'", (now, sid)).rowcount]
             db.executemany("INSERT INTO events (t, kind, sample, detail) VALUES (?, ?, ?, ?)",
-                           [(now, "unverified", sid, reason) for sid, in ids])
-        return len(ids)
+                           [(now, "unverified", sid, reason) for sid in moved])
+        return len(moved)
 
     def requeue_inflight(self, reason: str) -> int:
         """Back to pending (or ungenerated) for what no engine or generator is working on (after

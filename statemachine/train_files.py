@@ -78,9 +78,11 @@ def trained_for(train_dir: Path, fingerprint: str) -> bool:
 
 @dataclass(frozen=True)
 class Refused:
-    """A trainer's refusal: its exit code (statemachine/entry.py) and the reason it logged."""
+    """A trainer's refusal: its exit code (statemachine/entry.py), the reason it logged and the
+    samples it names (entry.DATASET_CHANGED: their files are not what verify passed)."""
     code: int
     reason: str
+    samples: tuple[str, ...] = ()
 
 
 # torchrun exits 1 whatever code its workers exit with, so a refusal cannot reach the daemon
@@ -89,7 +91,8 @@ class Refused:
 def write_refusal(train_dir: Path, refused: Refused) -> None:
     """The trainer's end (every rank that refuses: which one does depends on the check)."""
     Path(train_dir).mkdir(parents=True, exist_ok=True)
-    _write(layout.refusal_file(train_dir), {"code": refused.code, "reason": refused.reason})
+    _write(layout.refusal_file(train_dir), {"code": refused.code, "reason": refused.reason,
+                                            "samples": list(refused.samples)})
 
 
 def read_refusal(train_dir: Path) -> Refused | None:
@@ -97,7 +100,10 @@ def read_refusal(train_dir: Path) -> Refused | None:
     doc = _read(layout.refusal_file(train_dir))
     if doc is None or not isinstance(doc.get("code"), int):
         return None
-    return Refused(doc["code"], str(doc.get("reason", "")))
+    samples = doc.get("samples")
+    return Refused(doc["code"], str(doc.get("reason", "")),
+                   tuple(s for s in samples if isinstance(s, str))
+                   if isinstance(samples, list) else ())
 
 
 def clear_refusal(train_dir: Path) -> None:

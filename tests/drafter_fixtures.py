@@ -61,8 +61,8 @@ def planned_sample(index: int, ids: list[int], mask: list[int], aux, last,
 def record_dataset(root: Path, contract: dict, samples: list[tuple[Any, dict]]) -> None:
     """`root/dataset` (the contract, the dumps, the manifest) and `root/state` (a ledger where
     every sample is verified): a dataset exactly as the pipeline leaves it before training."""
+    from eagle3d.dataset import checksum, dumpformat
     from eagle3d.dataset import contract as contract_mod
-    from eagle3d.dataset import dumpformat
     from eagle3d.statemachine import manifest
     from eagle3d.statemachine.ledger import Ledger
 
@@ -75,10 +75,9 @@ def record_dataset(root: Path, contract: dict, samples: list[tuple[Any, dict]]) 
     ledger.claim(len(samples), 1 << 40)
     for planned, dump in samples:
         path = dumpformat.write_dump(shard, planned.id, contract["fingerprint"], dump)
-        checksum = hashlib.blake2b(path.read_bytes(), digest_size=16).hexdigest()
         ledger.mark_extracted(planned.id, str(path.relative_to(dataset_dir)),
-                              path.stat().st_size, checksum)
-        ledger.mark_verified(ledger.sample(planned.id), "fixture")
+                              path.stat().st_size, checksum.file_checksum(path))
+        ledger.mark_verified(ledger.sample(planned.id), manifest.stat_key(path.stat()))
     manifest.write(dataset_dir, manifest.build(ledger, contract))
     ledger.close()
 
@@ -132,9 +131,10 @@ def build_dataset(root: Path, n: int, first: int, max_tokens: int, dump_dtype: s
 def cached_dataset(n: int, first: int = 0, max_tokens: int = 512,
                    dump_dtype: str = "bfloat16") -> Path:
     """A folder with `dataset/` and `state/` (ledger), built on first use. Returns the folder."""
-    # bf16 keeps the key it had before dump precisions: its files are the same.
+    # bf16 keeps the key it had before dump precisions: its files are the same. v3: the ledger
+    # records verify's real checksums and stats, which the trainer checks.
     spelled = "" if dump_dtype == "bfloat16" else f":{dump_dtype}"
-    key = hashlib.blake2b(f"{n}:{first}:{max_tokens}:v2{spelled}".encode(),
+    key = hashlib.blake2b(f"{n}:{first}:{max_tokens}:v3{spelled}".encode(),
                           digest_size=6).hexdigest()
     root = Path(tempfile.gettempdir()) / f"eagle3d-drafter-fixture-{key}"
     if (root / "done").exists():

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import random
+import shutil
 import struct
 import subprocess
 import sys
@@ -20,7 +22,9 @@ from safetensors.torch import load_file, save_file
 from drafter_fixtures import cached_dataset
 from eagle3d.dataset import dumpformat
 from eagle3d.drafter import data, reader
+from eagle3d.statemachine import entry
 from eagle3d.statemachine import manifest as manifest_mod
+from eagle3d.statemachine.entry import DatasetChanged
 
 # 37 samples of uneven lengths: batches of 1 to several samples, and a batch count that no
 # world size below divides.
@@ -166,6 +170,45 @@ def test_a_damaged_dump_is_named_in_the_error(samples, tmp_path):
     cut.write_bytes(paths[0].read_bytes()[:-100])
     with pytest.raises(dumpformat.DumpError, match=str(cut)):
         as_read([cut], [data.Planned((0,))])
+
+
+def flip_bit_keeping_time(path: Path, offset: int) -> None:
+    """Bit rot: one bit of the file flipped, its size and modification time as they were."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_a_bit_flipped_since_verify_is_refused_naming_its_file_before_its_batch(tmp_path):
+    """Every file read is checked against the checksum verify recorded: the real verified
+    dataset reads whole, and in a copy with one bit of one dump's hidden states flipped (its
+    size and time unchanged), the batches before it come and its own never does; the refusal
+    names the file and its sample."""
+    root = cached_dataset(32)
+    manifest = manifest_mod.read(root / "dataset")
+    recorded = [(s["id"], s["checksum"]) for s in manifest["samples"]]
+    paths = data.sample_paths(manifest, root / "dataset")
+    plan = [data.Planned((i,)) for i in range(len(paths))]
+    assert len(as_read(paths, plan, recorded=recorded, ahead=3, readers=2)) == len(paths)
+
+    copies = [tmp_path / p.name for p in paths]
+    for path, copy in zip(paths, copies):
+        shutil.copy2(path, copy)
+    damaged = 5
+    flip_bit_keeping_time(copies[damaged], copies[damaged].stat().st_size // 2)
+    got = []
+    with pytest.raises(DatasetChanged) as refused:
+        for batch in reader.batches(copies, plan, CPU, recorded=recorded, ahead=3, readers=2):
+            got.append(batch)
+    assert len(got) == damaged
+    sid = manifest["samples"][damaged]["id"]
+    assert refused.value.samples == (sid,) and refused.value.code == entry.DATASET_CHANGED
+    assert f"{copies[damaged]} (sample {sid}) changed since verify passed it" in \
+        str(refused.value)
 
 
 def test_a_symlink_in_place_of_a_dump_is_refused_naming_it(samples, tmp_path):

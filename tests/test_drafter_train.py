@@ -465,6 +465,75 @@ def test_refuses_a_manifest_whose_token_count_is_not_the_dumps(tmp_path, data_ro
     assert not (tmp_path / "train" / "export").exists()
 
 
+def changed_copy(tmp_path: Path, data_root: Path, keep_time: bool) -> tuple[Path, dict]:
+    """A copy of the verified dataset (times kept, as verify saw them) with one bit flipped in
+    the hidden states of a dump of the first batch the trainer reads: with its time kept (bit
+    rot) or not (a write). Returns the copy and the damaged sample's manifest entry."""
+    import os
+    import shutil
+    from eagle3d.drafter import data
+    from eagle3d.statemachine import manifest as manifest_mod
+    copy = tmp_path / "copy"
+    shutil.copytree(data_root, copy)
+    samples = manifest_mod.read(copy / "dataset")["samples"]
+    first = data.plan_epoch([s["tokens"] for s in samples], SMALL["batch_tokens"], 0, 0, 1)[0][0]
+    sample = samples[first.indices[0]]
+    path = copy / "dataset" / sample["path"]
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(st.st_size - 100)
+        byte = f.read(1)[0]
+        f.seek(-1, 1)
+        f.write(bytes([byte ^ 0x40]))
+    if keep_time:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    return copy, sample
+
+
+def assert_sent_back(run: subprocess.CompletedProcess, train_dir: Path, path: Path,
+                     sample: dict, why: str) -> None:
+    """The trainer refused the changed file, naming it and its sample for the daemon, and
+    trained nothing."""
+    from eagle3d.statemachine import entry, train_files
+    assert "refusing to train: " in run.stderr and str(path) in run.stderr, run.stderr[-3000:]
+    assert why in run.stderr, run.stderr[-3000:]
+    refused = train_files.read_refusal(train_dir)
+    assert refused is not None and refused.code == entry.DATASET_CHANGED
+    assert refused.samples == (sample["id"],)
+    logged = metrics(train_dir) if (train_dir / "metrics.jsonl").exists() else []
+    assert logged == [] and not (train_dir / "export").exists()
+
+
+def test_a_dataset_file_written_since_verify_is_refused_at_the_start_naming_it(tmp_path,
+                                                                              data_root):
+    """A file whose modification time is not verify's is refused before anything loads, with
+    the exit code that sends its sample back to verify."""
+    from eagle3d.statemachine import entry
+    copy, sample = changed_copy(tmp_path, data_root, keep_time=False)
+    config = write_config(tmp_path, copy, SMALL)
+    run = subprocess.run([PY, "-m", "eagle3d.drafter.train", "-c", str(config)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == entry.DATASET_CHANGED, run.stderr[-3000:]
+    path = copy / "dataset" / sample["path"]
+    assert_sent_back(run, tmp_path / "train", path, sample,
+                     "1 dataset file(s) changed since verify passed them")
+    assert f"{path} (modified at " in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.slow
+def test_a_bit_flipped_since_verify_is_refused_by_its_checksum_before_it_is_trained_on(
+        tmp_path, data_root):
+    """Bit rot in a file of the first batch: size and time are verify's, so only the checksum
+    the reader checks as it reads can tell. The trainer under torchrun stops before its first
+    step, naming the file and its sample in refusal.json (torchrun exits 1)."""
+    copy, sample = changed_copy(tmp_path, data_root, keep_time=True)
+    config = write_config(tmp_path, copy, SMALL)
+    run = subprocess.run(train_cmd(config), capture_output=True, text=True, timeout=600)
+    assert run.returncode != 0
+    assert_sent_back(run, tmp_path / "train", copy / "dataset" / sample["path"], sample,
+                     "changed since verify passed it: its checksum is")
+
+
 def test_the_reported_rate_holds_steady_through_one_slow_step_and_follows_a_lasting_change():
     from eagle3d.drafter.reporting import RecentRate
     rate, now = RecentRate(window_s=10.0), 0.0

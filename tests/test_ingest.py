@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from eagle3d.dataset import dumpformat, precision
-from eagle3d.daemon import checksum
+from eagle3d.dataset import checksum
 from eagle3d.daemon.ingest import Ingestor, remove_dataset_debris
 from eagle3d.daemon.spool import Spool
 from eagle3d.statemachine import layout

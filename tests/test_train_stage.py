@@ -82,6 +82,41 @@ def test_a_refusal_left_by_an_earlier_trainer_does_not_count(stage):
     assert stage.failure is None and stage.supervisor.retry_at > time.monotonic()
 
 
+def refuses_changed(cfg, samples: list[str]) -> list[str]:
+    """A trainer under torchrun that found these samples' files changed since verify."""
+    refused = train_files.Refused(entry.DATASET_CHANGED, "refusing to train: a file changed",
+                                  tuple(samples))
+    return exits_with(1, "from eagle3d.statemachine import train_files\n"
+                         "from eagle3d.statemachine.train_files import Refused\n"
+                         f"train_files.write_refusal({str(cfg.paths.train_dir)!r}, {refused!r})")
+
+
+def test_a_changed_dataset_file_sends_its_sample_back_to_verify_without_a_restart(stage):
+    """The trainer refused a file changed since verify: its sample goes back to extracted (verify
+    re-reads it), the manifest that listed it as verified goes, and nothing is charged. A sample
+    this ledger does not hold (another node's) cannot be sent back: the refusal stops the stage."""
+    from eagle3d.statemachine.ledger import PlannedSample
+    stage, cfg, monkeypatch = stage
+    sid = "a" * 32
+    stage.ledger.add_planned([PlannedSample(sid, 0, 4, 2, "h", b"\0" * 16, b"\0\0\1\1")], [], {})
+    stage.ledger.claim(1, 100)
+    stage.ledger.mark_extracted(sid, "shard-0000/a.safetensors", 100, "xxh3-128:0")
+    stage.ledger.mark_verified(stage.ledger.sample(sid), "100:1:1")
+    cfg.paths.dataset_dir.mkdir(parents=True)
+    manifest_mod.write(cfg.paths.dataset_dir, manifest_mod.build(stage.ledger, {}))
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: refuses_changed(cfg, [sid]))
+    step_until_idle(stage)
+    assert stage.ledger.sample(sid).status == "extracted"
+    assert manifest_mod.read(cfg.paths.dataset_dir) is None
+    assert stage.failure is None and stage.supervisor.restarts == 0 and stage.supervisor.may_start
+    assert [(kind, s) for _, kind, s, _ in stage.ledger.recent_events(1)] == [("unverified", sid)]
+
+    monkeypatch.setattr(train_stage, "trainer_argv",
+                        lambda cfg, path: refuses_changed(cfg, ["b" * 32]))
+    step_until_idle(stage)
+    assert "a file changed" in stage.failure and stage.status()["status"] == "failed"
+
+
 @pytest.mark.slow
 def test_a_contract_refusal_under_torchrun_fails_the_stage_with_its_reason(config_factory,
                                                                             tmp_path):

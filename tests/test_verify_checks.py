@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from eagle3d.dataset import dumpformat, precision
-from eagle3d.daemon import checksum, verify
+from eagle3d.dataset import checksum, dumpformat, precision
+from eagle3d.daemon import verify
 from eagle3d.daemon.verify import Expected, check_file, compare_dumps, verify_many
 
 CONTRACT = "c0" * 16

@@ -13,7 +13,7 @@ import tomli_w
 
 from eagle3d.dataset.dumpformat import read_header
 from eagle3d.daemon import control
-from eagle3d.statemachine import manifest
+from eagle3d.statemachine import manifest, train_files
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations
@@ -114,3 +114,37 @@ def test_damage_is_caught_reextracted_and_a_stubborn_sample_blocks_the_gate(conf
     st = status(config)
     assert st["samples"]["excluded"] == 1 and st["samples"]["verified"] == 9
     assert len(manifest.read(cfg.paths.dataset_dir)["samples"]) == 9
+
+
+def test_a_bit_flipped_after_verify_is_refused_by_the_trainer_sent_back_and_trained_once_mended(
+        config_factory, tmp_path):
+    """Bit rot in a verified dump (its size and time unchanged, so only its checksum can tell):
+    the real trainer refuses it as it reads it, naming the file; the daemon sends the sample
+    back to verify, which finds the checksum wrong and has it extracted again; then the run
+    trains and reaches done, the sample verified once more."""
+    from tests.chaos.harness import chaos_config
+    config = chaos_config(config_factory, tmp_path, 6)
+    run_until(config, "train")
+    cfg = load_config(config)
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        rot = ledger.samples("verified")[2]
+    path = cfg.paths.dataset_dir / rot.path
+    st = path.stat()
+    corrupt(path, "flip")
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+    with DaemonProcess(config, "--until", "done") as d:
+        assert d.wait(900) == 0, d.output()[-4000:]
+    with Ledger(cfg.paths.state_dir / "ledger.sqlite", readonly=True) as ledger:
+        events = [(kind, detail) for _, kind, sample, detail in ledger.recent_events(500)
+                  if sample == rot.id]
+        sent_back = [detail for kind, detail in events if kind == "unverified"]
+        assert len(sent_back) == 1 and str(path) in sent_back[0], events
+        assert "changed since verify passed it" in sent_back[0]
+        failed = [detail for kind, detail in events if kind == "attempt_failed"]
+        assert len(failed) == 1 and "checksum mismatch" in failed[0], events
+        assert ledger.sample(rot.id).status == "verified"
+        manifest.check(manifest.read(cfg.paths.dataset_dir), ledger)
+    done = train_files.read_done(cfg.paths.train_dir)
+    assert done["manifest_fingerprint"] == manifest.read(cfg.paths.dataset_dir)["fingerprint"]
+    assert status(config)["samples"]["verified"] == 6

@@ -20,7 +20,7 @@ import pytest
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset import dumpformat
-from eagle3d.daemon import checksum
+from eagle3d.dataset import checksum
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.harness import audit, chaos_config, counts, until

@@ -1,6 +1,7 @@
 """The dataset checksum: xxh3-128, fast enough that ingest and verify run near raw copy and read
-speed (a cryptographic hash would be the bottleneck; integrity against accidents is the goal,
-the threat model does not include an attacker who can write the dataset)."""
+speed, and the trainer's reader checks every file it reads at no cost it can measure (a
+cryptographic hash would be the bottleneck; integrity against accidents is the goal, the threat
+model does not include an attacker who can write the dataset)."""
 
 from __future__ import annotations
 
