@@ -281,7 +281,7 @@ def act_hostile_dump(world: World, p: dict[str, Any]) -> str:
     if not pending:
         return "skip"
     sid = pending[p["pick"] % len(pending)]
-    staged = world.root / f".{uuid.uuid4().hex}.tmp"
+    staged = spool.parent / f".eagle3d-test-{uuid.uuid4().hex}.tmp"  # a rename: one file system
     staged.write_bytes(hostile_header(p["kind"], sid, contract["fingerprint"]))
     name = spool / dumpformat.dump_name(sid)
     os.rename(staged, name)

@@ -225,7 +225,8 @@ def training_node_status(world: ShardWorld) -> None:
     own = st.get("stage") == "failed" or st.get("config_problem") or \
         st.get("paused_by") == "budget" or st.get("gate", {}).get("waits_for_operator")
     others = range(1, COUNT)
-    trouble = [k for k in others if k in world.far or k in world.halted or _alive(world, k)]
+    trouble = [k for k in others if k in world.far or k in world.halted or (
+        _alive(world, k) and _published_state(world, k).get("paused_by") == "budget")]
     if trouble and not own and code != 8:
         raise Violation("the training node's status names every shard in trouble",
                         f"shards {trouble} are stale, stopped or held; status exits {code}: "
