@@ -32,7 +32,7 @@ import psutil
 
 from eagle3d.dataset import contract as capture_contract, dumpformat
 from eagle3d.statemachine import layout, pointer, runs
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config import ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.harness import describe, end, kill9, processes_of
 from tests.conftest import make_config, venv_bin, write_conversations
@@ -113,12 +113,18 @@ class World:
     damaged: set[str] = field(default_factory=set)   # ids whose dump the walk truncated
     crashes: int = 0
     printed: str = ""                      # the last `--until done` output
+    stopped: list[int] = field(default_factory=list)  # children the walk SIGSTOPped
 
     def alive(self) -> bool:
         return self.daemon is not None and self.daemon.proc.poll() is None
 
+    def folder(self, key: str) -> Path:
+        """A [paths] folder as the operator's file names it, read without validating: the file
+        may hold what check-config refuses (nested [paths]), and the walk still looks there."""
+        return Path(tomllib.loads(self.config.read_text())["paths"][key])
+
     def registry(self) -> runs.Registry:
-        return runs.read(load_config(self.config).paths.state_dir)
+        return runs.read(self.folder("state_dir"))
 
     def live_registry(self) -> runs.Registry:
         """The registry under the folders the live daemon works in (the file may name others)."""
@@ -136,12 +142,14 @@ def ctl(world: World, *args: str, timeout: float = 120) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
-def new_world(tmp: Path, rng: random.Random, scale: int) -> World:
+def new_world(tmp: Path, rng: random.Random, scale: int, nest: bool | None = None) -> World:
     """A tiny config over a few conversations; its [paths] nest under the state folder for half
-    the seeds (issue 52 item 1: the config accepts that)."""
+    the seeds, or as `nest` says (issue 52 item 1: check-config and a start refuse that now, and
+    the walk's edits may still nest them)."""
     n = 3 * scale
     source = write_conversations(tmp / "conv.jsonl", n + 2)
-    nested = rng.random() < 0.5
+    drawn = rng.random() < 0.5  # drawn either way: a seed's other draws stay what they were
+    nested = drawn if nest is None else nest
     sections: dict[str, dict[str, Any]] = {
         "data": {"source": str(source), "format": "messages", "limit": n},
         "verify": {"spot_checks": 0},
@@ -341,7 +349,7 @@ def act_forget(world: World, p: dict[str, Any]) -> str:
     victim = aside[p["pick"] % len(aside)]
     kept = {path: rid for rid, r in reg.runs.items() if rid != victim.id and not r.forgotten
             for path in owned_files(r)}
-    spool = load_config(world.config).paths.spool_dir
+    spool = world.folder("spool_dir")
     out = ctl(world, "forget", victim.id, "--reason", "walk")
     gone = sorted(str(path) for path in kept if not path.exists())
     if gone:
@@ -356,12 +364,18 @@ def act_forget(world: World, p: dict[str, Any]) -> str:
     return f"forget {victim.id} -> {out.returncode}: {(out.stdout + out.stderr).strip()[:90]}"
 
 
+def dumps_of(dataset_dir: Path) -> list[Path]:
+    """Every dump in a run's sample folders (layout.sample_folders: any width)."""
+    return [d for folder in layout.sample_folders(dataset_dir)
+            for d in folder.glob(f"*{dumpformat.SUFFIX}")]
+
+
 def owned_files(run: runs.Run) -> list[Path]:
     """The files that make a run: its ledger, config in force, contract, manifest, dumps and
     drafter."""
     files = [layout.ledger(run.state_dir), layout.config_in_force(run.state_dir),
              layout.contract_file(run.dataset_dir), layout.manifest_file(run.dataset_dir)]
-    files += list(run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"))
+    files += list(dumps_of(run.dataset_dir))
     files += list(layout.export_dir(run.train_dir).glob("*"))
     return [f for f in files if f.exists()]
 
@@ -397,7 +411,7 @@ def act_truncate_dump(world: World, p: dict[str, Any]) -> str:
     run = _current(world)
     if not world.alive() or run is None:
         return "skip"
-    dumps = sorted(run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"))
+    dumps = sorted(dumps_of(run.dataset_dir))
     if not dumps:
         return "skip"
     victim = dumps[p["pick"] % len(dumps)]
@@ -408,7 +422,7 @@ def act_truncate_dump(world: World, p: dict[str, Any]) -> str:
 
 
 def act_spool_junk(world: World, p: dict[str, Any]) -> str:
-    spool = load_config(world.config).paths.spool_dir
+    spool = world.folder("spool_dir")
     if not spool.is_dir():
         return "skip"
     (spool / f"{'0' * 16}{dumpformat.SUFFIX}").write_bytes(os.urandom(p["size"]))
@@ -473,24 +487,43 @@ WEIGHTS = {"start": 3, "reload": 2, "restart": 1, "kill-daemon": 2, "kill-child"
            "spool-junk": 1, "wait": 1, "finish": 1}
 
 
-def plan(seed: int, length: int) -> list[tuple[str, dict[str, Any]]]:
+def draw(rng: random.Random, name: str, p: dict[str, Any], edits: list = EDITS) -> None:
+    """An action's parameters, drawn into `p` (the operator campaign's; others add to it)."""
+    if name == "edit":
+        section, key, values = rng.choice(edits)
+        p.update(section=section, key=key, value=rng.choice(values),
+                 apply=rng.choices(["reload", "restart", "none"], [6, 2, 2])[0])
+    elif name == "pause":
+        p["pause"] = rng.random() < 0.7
+    elif name == "spool-junk":
+        p["size"] = rng.choice([0, 17, 4096])
+    elif name == "wait":
+        p["s"] = rng.choice([1, 3, 8])
+
+
+@dataclass(frozen=True)
+class Campaign:
+    """A family of walks: the world it builds, the actions it draws (their weights, how each
+    draws its parameters) and the invariants checked after every step. A seed means a walk
+    within one campaign: `EAGLE3D_CHAOS_CAMPAIGN` names it in a replay."""
+    name: str
+    world: Callable[[Path, random.Random, int], World]
+    actions: dict[str, Callable[[World, dict[str, Any]], str]]
+    weights: dict[str, int]
+    draw: Callable[[random.Random, str, dict[str, Any]], None]
+    check: Callable[[World], None]
+    close: Callable[[World], None] = lambda world: None  # what the world holds beyond `close`
+
+
+def plan(campaign: Campaign, seed: int, length: int) -> list[tuple[str, dict[str, Any]]]:
     """The seed's actions, drawn before any runs: a start first, then weighted draws."""
     rng = random.Random(seed)
-    names = list(WEIGHTS)
+    names = list(campaign.weights)
     out: list[tuple[str, dict[str, Any]]] = [("start", {})]
     for _ in range(length - 1):
-        name = rng.choices(names, [WEIGHTS[n] for n in names])[0]
+        name = rng.choices(names, [campaign.weights[n] for n in names])[0]
         p: dict[str, Any] = {"pick": rng.randrange(1000)}
-        if name == "edit":
-            section, key, values = rng.choice(EDITS)
-            p.update(section=section, key=key, value=rng.choice(values),
-                     apply=rng.choices(["reload", "restart", "none"], [6, 2, 2])[0])
-        elif name == "pause":
-            p["pause"] = rng.random() < 0.7
-        elif name == "spool-junk":
-            p["size"] = rng.choice([0, 17, 4096])
-        elif name == "wait":
-            p["s"] = rng.choice([1, 3, 8])
+        campaign.draw(rng, name, p)
         out.append((name, p))
     return out
 
@@ -512,14 +545,23 @@ def check(world: World) -> None:
             raise Violation("the watchdog is pinged while the daemon lives",
                             f"no WATCHDOG=1 for {silence:.1f} s (WatchdogSec={WATCHDOG_S:.0f})")
         world.watched_from = now
+    if world.daemon is not None and not world.alive():
+        raise Violation("the loop never dies (rule 1)",
+                        f"daemon pid {world.daemon.proc.pid} exited {world.daemon.proc.returncode} "
+                        f"with no stop or kill of the walk's: {world.daemon.output()[-800:]}")
     code, st = status(world)
     alive = world.alive()
+    beat = st.get("daemon", {}).get("heartbeat_age_s")
+    if alive and beat is not None and beat > WATCHDOG_S:
+        raise Violation("the heartbeat advances (rule 4)",
+                        f"live daemon pid {world.daemon.proc.pid}: heartbeat {beat} s old, stage "
+                        f"{st.get('stage')!r}")
     if alive and code == 3:
         raise Violation("status's exit code is the daemon's condition",
                         f"eagle3ctl status exits 3 (NOT RUNNING) for live daemon pid "
                         f"{world.daemon.proc.pid}: stage {st.get('stage')!r}, heartbeat "
                         f"{st.get('daemon', {}).get('heartbeat_age_s')} s old")
-    if not alive and code != 3:
+    if not alive and code != 3 and not (code == 2 and refused_file(world)):
         raise Violation("status's exit code is the daemon's condition",
                         f"eagle3ctl status exits {code} with no daemon running")
     # The state file is published once a second: a pause shows within a few.
@@ -531,6 +573,15 @@ def check(world: World) -> None:
                         f"{st.get('run', {}).get('id')}")
 
 
+def refused_file(world: World) -> bool:
+    """The operator's file does not validate (exit 2 is then status's answer, daemon or not)."""
+    try:
+        load_config(world.config)
+    except ConfigError:
+        return True
+    return False
+
+
 def operator_paused(world: World) -> bool:
     _, st = status(world)
     return st.get("stage") == "failed" or st.get("paused_by") == "operator"
@@ -540,7 +591,7 @@ def one_contract(run: runs.Run) -> None:
     doc = capture_contract.read(run.dataset_dir)
     if not doc:
         return
-    for dump in run.dataset_dir.glob(f"{layout.SAMPLE_FOLDERS}/*{dumpformat.SUFFIX}"):
+    for dump in dumps_of(run.dataset_dir):
         try:
             theirs = dumpformat.read_header(dump).contract
         except Exception:  # a dump the walk truncated: verify's to judge, not this check's
@@ -582,6 +633,7 @@ def ledger_facts(world: World, run: runs.Run) -> None:
 
 @dataclass
 class Outcome:
+    campaign: str
     seed: int
     steps: list[str]                 # what each action did
     violation: Violation | None
@@ -591,12 +643,13 @@ class Outcome:
     crashes: int
 
 
-def walk(seed: int, tmp: Path, scale: int, length: int, kept: list[int] | None = None) -> Outcome:
+def walk(campaign: Campaign, seed: int, tmp: Path, scale: int, length: int,
+         kept: list[int] | None = None) -> Outcome:
     """Walk the seed's plan (or only its `kept` indices) on a fresh world under `tmp`."""
-    actions = plan(seed, length)
+    actions = plan(campaign, seed, length)
     kept = list(range(len(actions))) if kept is None else kept
     tmp.mkdir(parents=True, exist_ok=True)
-    world = new_world(tmp, random.Random(seed), scale)
+    world = campaign.world(tmp, random.Random(seed), scale)
     steps: list[str] = []
     t0 = time.time()
     violation, failed_at = None, None
@@ -604,17 +657,18 @@ def walk(seed: int, tmp: Path, scale: int, length: int, kept: list[int] | None =
         for i in kept:
             name, p = actions[i]
             try:
-                did = ACTIONS[name](world, p)
+                did = campaign.actions[name](world, p)
                 if did != "skip":
-                    check(world)
+                    campaign.check(world)
             except Violation as v:
                 violation, failed_at = v, i
                 steps.append(f"{i}: {name} {_short(p)} -> VIOLATION")
                 break
             steps.append(f"{i}: {name} {_short(p)} -> {did}")
     finally:
+        campaign.close(world)
         close(world)
-    return Outcome(seed, steps, violation, failed_at, kept, time.time() - t0, world.crashes)
+    return Outcome(campaign.name, seed, steps, violation, failed_at, kept, time.time() - t0, world.crashes)
 
 
 def _short(p: dict[str, Any]) -> str:
@@ -622,6 +676,11 @@ def _short(p: dict[str, Any]) -> str:
 
 
 def close(world: World) -> None:
+    for pid in world.stopped:  # a stopped child would hold the daemon's stop for its grace
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
     if world.alive():
         world.daemon.proc.send_signal(signal.SIGTERM)
         try:
@@ -633,12 +692,12 @@ def close(world: World) -> None:
     end(left)
     world.notify.close()
     world.notify.path.unlink(missing_ok=True)
-    spool = load_config(world.config).paths.spool_dir
+    spool = world.folder("spool_dir")
     if str(spool).startswith("/dev/shm/eagle3d-test-"):
         shutil.rmtree(spool, ignore_errors=True)
 
 
-def shrink(failed: Outcome, tmp: Path, scale: int, length: int, budget_s: float) -> Outcome:
+def shrink(campaign: Campaign, failed: Outcome, tmp: Path, scale: int, length: int, budget_s: float) -> Outcome:
     """Delete actions while the same invariant still breaks: first everything after the failing
     step, then one action at a time from the front, within `budget_s` seconds of replays."""
     assert failed.violation is not None and failed.failed_at is not None
@@ -648,7 +707,7 @@ def shrink(failed: Outcome, tmp: Path, scale: int, length: int, budget_s: float)
     j = 0
     while j < len(kept) - 1 and time.time() < deadline:
         trial = kept[:j] + kept[j + 1:]
-        out = walk(failed.seed, tmp / f"shrink-{uuid.uuid4().hex[:6]}", scale, length, trial)
+        out = walk(campaign, failed.seed, tmp / f"shrink-{uuid.uuid4().hex[:6]}", scale, length, trial)
         if out.violation is not None and out.violation.invariant == failed.violation.invariant:
             best, kept = out, [i for i in trial if i <= out.failed_at]
         else:
@@ -656,15 +715,19 @@ def shrink(failed: Outcome, tmp: Path, scale: int, length: int, budget_s: float)
     return best
 
 
-def replay_command(seed: int, kept: list[int], scale: int) -> str:
+def replay_command(campaign: str, seed: int, kept: list[int], scale: int) -> str:
     scale_env = f"EAGLE3D_CHAOS_SCALE={scale} " if scale != 1 else ""
-    return (f"{scale_env}EAGLE3D_CHAOS_SEED={seed} EAGLE3D_CHAOS_ACTIONS="
+    campaign_env = f"EAGLE3D_CHAOS_CAMPAIGN={campaign} " if campaign != "operator" else ""
+    return (f"{scale_env}{campaign_env}EAGLE3D_CHAOS_SEED={seed} EAGLE3D_CHAOS_ACTIONS="
             f"{','.join(map(str, kept))} .venv/bin/python -m pytest -q "
             "tests/chaos/test_random_operator.py")
 
 
 def report(out: Outcome, scale: int) -> str:
     v = out.violation
-    return (f"seed {out.seed}: invariant broken: {v.invariant}\n  {v.detail}\n"
+    return (f"{out.campaign} seed {out.seed}: invariant broken: {v.invariant}\n  {v.detail}\n"
             f"  after {len(out.steps)} actions:\n    " + "\n    ".join(out.steps) +
-            f"\n  replay: {replay_command(out.seed, out.kept[:len(out.steps)], scale)}")
+            f"\n  replay: {replay_command(out.campaign, out.seed, out.kept[:len(out.steps)], scale)}")
+
+
+OPERATOR = Campaign("operator", new_world, ACTIONS, WEIGHTS, draw, check)
