@@ -371,7 +371,7 @@ def draw(rng: random.Random, name: str, p: dict[str, Any]) -> None:
 
 
 def new_world(tmp: Path, rng: random.Random, scale: int) -> World:
-    return ow.new_world(tmp, rng, scale, nest=False)  # a nested start is refused: nothing to walk
+    return ow.new_world(tmp, rng, scale)
 
 
 HOSTILE = ow.Campaign("hostile", new_world, ACTIONS, WEIGHTS, draw, ow.check)

@@ -142,14 +142,13 @@ def ctl(world: World, *args: str, timeout: float = 120) -> subprocess.CompletedP
                           capture_output=True, text=True, timeout=timeout)
 
 
-def new_world(tmp: Path, rng: random.Random, scale: int, nest: bool | None = None) -> World:
-    """A tiny config over a few conversations; its [paths] nest under the state folder for half
-    the seeds, or as `nest` says (issue 52 item 1: check-config and a start refuse that now, and
-    the walk's edits may still nest them)."""
+def new_world(tmp: Path, rng: random.Random, scale: int) -> World:
+    """A tiny config over a few conversations, its [paths] apart. Nested [paths] come from the
+    walk's edits, which check-config, a start and a reload must all refuse alike (a nested start
+    would be refused before any scenario: issue 52 item 1)."""
     n = 3 * scale
     source = write_conversations(tmp / "conv.jsonl", n + 2)
-    drawn = rng.random() < 0.5  # drawn either way: a seed's other draws stay what they were
-    nested = drawn if nest is None else nest
+    rng.random()  # where a nested start was drawn: every seed keeps the plan it had
     sections: dict[str, dict[str, Any]] = {
         "data": {"source": str(source), "format": "messages", "limit": n},
         "verify": {"spot_checks": 0},
@@ -160,9 +159,6 @@ def new_world(tmp: Path, rng: random.Random, scale: int, nest: bool | None = Non
                   "batch_tokens": 512, "warmup_steps": 2, "checkpoint_every": 3, "max_steps": 4,
                   "threads": 1, "stop_grace_s": rng.choice([5, 60])},
         "eval": {"limit": 2, "max_new_tokens": 8, "steps": 2}}
-    if nested:
-        sections["paths"] = {"dataset_dir": str(tmp / "state" / "dataset"),
-                             "train_dir": str(tmp / "state" / "train")}
     config = make_config(tmp, sections)
     return World(tmp, config, Notify(Path("/tmp") / f"eagle3d-notify-{uuid.uuid4().hex[:10]}"), n)
 
