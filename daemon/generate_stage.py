@@ -21,7 +21,7 @@ from eagle3d.daemon.children import (Child, Silence, Supervisor, module_argv, re
 from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Seen, Stage
+from eagle3d.statemachine.stages import Decision, GenerateFacts, Seen, Stage
 
 log = logging.getLogger("eagle3d")
 
@@ -54,7 +54,7 @@ class GenerateStage:
     def grace(self) -> float:
         return self.cfg.extract.engine_stop_grace_s  # the generator and its server hold the target
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
+    def observe(self, seen: Seen) -> GenerateFacts:
         now = time.monotonic()
         left = seen.counts.get("ungenerated") + seen.counts.get("generating")
         if self.left and left < self.left[-1][1]:
@@ -62,7 +62,7 @@ class GenerateStage:
         self.left.append((now, left))
         while self.left and self.left[0][0] < now - RATE_WINDOW_S:
             self.left.popleft()
-        return {"blocked": self.supervisor.fatal}
+        return GenerateFacts(blocked=self.supervisor.fatal)
 
     def rate(self) -> float:
         """Conversations generated per second over the last two minutes."""

@@ -26,9 +26,9 @@ class PipelineStage(Protocol):
     name: str       # the statemachine Stage it works for
     state_key: str  # where state.toml publishes its status
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
-        """Its facts (statemachine.stages.Facts fields); what stops it needing the operator under
-        "blocked"."""
+    def observe(self, seen: Seen) -> tuple[Any, ...]:
+        """Its facts: its own record of statemachine.stages (PlanFacts, ...), whose fields are
+        Facts fields no other stage reports; what stops it needing the operator in `blocked`."""
 
     def step(self, decision: Decision) -> None:
         """One idempotent step for this tick's decision, whatever stage it names."""
