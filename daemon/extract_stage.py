@@ -70,6 +70,7 @@ class _NoBorrower:
 class ExtractStage:
     name = Stage.EXTRACT.value
     state_key = "engine"
+    ingests = True
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path,
                  engine_factory: EngineFactory = start_engine,

@@ -35,6 +35,7 @@ def generator_argv(cfg: Config) -> list[str]:
 class GenerateStage:
     name = Stage.GENERATE.value
     state_key = "generate"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
         self.cfg = cfg

@@ -25,6 +25,8 @@ from eagle3d.statemachine.stages import Decision, Seen
 class PipelineStage(Protocol):
     name: str       # the statemachine Stage it works for
     state_key: str  # where state.toml publishes its status
+    # The one stage that ingests: its status holds the pipeline's "rate" and "spool_bytes".
+    ingests: bool
 
     def observe(self, seen: Seen) -> tuple[Any, ...]:
         """Its facts: its own record of statemachine.stages (PlanFacts, ...), whose fields are

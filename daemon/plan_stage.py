@@ -35,6 +35,7 @@ def planner_argv(cfg: Config) -> list[str]:
 class PlanStage:
     name = Stage.PLAN.value
     state_key = "planner"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
         self.cfg = cfg

@@ -21,6 +21,7 @@ from eagle3d.statemachine.stages import Decision, Seen, ShardFacts
 class ShardGate:
     name = "shards"
     state_key = "shards"
+    ingests = False
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg

@@ -53,6 +53,7 @@ def eval_argv(cfg: Config) -> list[str]:
 class TrainStage:
     name = Stage.TRAIN.value
     state_key = "trainer"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path,
                  fingerprint: Callable[[], str]) -> None:

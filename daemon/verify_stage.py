@@ -213,6 +213,7 @@ class VerifyStage:
 
     name = stages.Stage.VERIFY.value
     state_key = "verify"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, engine: Callable[[], Any]) -> None:
         self.cfg = cfg
