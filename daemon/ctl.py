@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3d.daemon import stage_views
 from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, pointer
 from eagle3d.statemachine.config import (DERIVED, Config, ConfigError, human_bytes,
@@ -45,12 +46,6 @@ HEARTBEAT_STALE_S = 15.0
 # system's caching come on top of the daemon's own stale bound.
 SHARD_STALE_S = 60.0
 ACK_TIMEOUT_S = 10.0
-
-
-def _bar(fraction: float, width: int = 30) -> str:
-    fraction = min(max(fraction, 0.0), 1.0)
-    full = int(fraction * width)
-    return "[" + "#" * full + "." * (width - full) + f"] {fraction * 100:5.1f}%"
 
 
 def _clock(t: float) -> str:
@@ -112,10 +107,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["bytes"] = state.get("bytes", {})
     out["disk"] = state.get("disk", [])
     out["state_reserve"] = state.get("state_reserve")
-    out["generate"] = state.get("generate", {})
-    out["engine"] = state.get("engine", {})
-    out["trainer"] = state.get("trainer", {})
-    out["verify"] = state.get("verify")
+    out.update({view.key: state.get(view.key, view.empty) for view in stage_views.VIEWS})
     out["config_problem"] = state.get("config", {}).get("problem")
     out["run"] = state.get("run", {})
     out["config_problem_since"] = state.get("config", {}).get("problem_since")
@@ -188,32 +180,20 @@ def status_code(st: dict[str, Any]) -> int:
     return 0
 
 
-def _silent(child: dict[str, Any]) -> str:
-    """", SILENT since 12:00:00 (4m 10s; restarted after 15m 00s)" for a child that shows no
-    progress: stopped or stuck, not exited."""
-    silent = child.get("silent")
-    if not silent:
-        return ""
-    return (f", SILENT since {time.strftime('%H:%M:%S', time.localtime(silent['since']))} "
-            f"({human_s(time.time() - silent['since'])}; restarted after "
-            f"{human_s(silent['bound_s'])})")
-
-
-def render_status(st: dict[str, Any]) -> str:
-    s, t, d = st["samples"], st["tokens"], st["daemon"]
-    lines = []
-    since = f" (since {_clock(st['since'])})" if st.get("since") else ""
-    lines.append(f"stage     {st['stage']}{since}: {st['reason']}")
+def _daemon_line(d: dict[str, Any]) -> str:
     if d["alive"]:
-        lines.append(f"daemon    running, pid {d['pid']}, heartbeat {d['heartbeat_age_s']:.1f}s ago")
-    elif d.get("pid"):
-        age = d.get("heartbeat_age_s")
-        lines.append(f"daemon    NOT RUNNING (last pid {d['pid']}, last heartbeat "
-                     f"{human_s(age)} ago)")
-    else:
-        lines.append("daemon    NOT RUNNING")
+        return f"daemon    running, pid {d['pid']}, heartbeat {d['heartbeat_age_s']:.1f}s ago"
+    if d.get("pid"):
+        return (f"daemon    NOT RUNNING (last pid {d['pid']}, last heartbeat "
+                f"{human_s(d.get('heartbeat_age_s'))} ago)")
+    return "daemon    NOT RUNNING"
+
+
+def _problem_lines(st: dict[str, Any]) -> list[str]:
+    """The loop's condition (while the daemon runs) and a config edit not applied."""
+    lines = []
     condition = st.get("condition")
-    if condition and d["alive"]:
+    if condition and st["daemon"]["alive"]:
         lines.append(f"condition {condition['reason']} since {_clock(condition['since'])}: "
                      f"{condition['retries']} failed ticks, the next try in "
                      f"{condition['retry_in_s']:.0f} s")
@@ -221,93 +201,40 @@ def render_status(st: dict[str, Any]) -> str:
         since = st.get("config_problem_since")
         lines.append("config    " + (f"since {_clock(since)}: "
                                      if since else "") + st["config_problem"])
+    return lines
+
+
+def _samples_line(s: dict[str, Any]) -> str:
+    # The two states before pending exist only where the target writes the answers.
+    shown = [k for k in STATUSES if s.get(k) or k not in ("ungenerated", "generating")]
+    return ("samples   " + " · ".join(f"{k} {s.get(k, 0):,}" for k in ("total", *shown)) +
+            f" · skipped {s['skipped']:,}")
+
+
+def _disk_line(st: dict[str, Any]) -> str:
+    b = st.get("bytes", {})
+    parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
+             for x in st.get("disk", []) if x["role"] != "train_dir"]
+    reserve = st.get("state_reserve")
+    if reserve and parts:
+        parts[-1] += (f" (its reserve of {human_bytes(reserve['bytes'])} "
+                      f"{'held' if reserve['held'] else 'given up: the disk is full'})")
+    return "disk      " + " · ".join(parts + [
+        f"written {human_bytes(b.get('written', 0))} of {human_bytes(b.get('projected', 0))} "
+        "projected"])
+
+
+def render_status(st: dict[str, Any]) -> str:
+    since = f" (since {_clock(st['since'])})" if st.get("since") else ""
+    lines = [f"stage     {st['stage']}{since}: {st['reason']}", _daemon_line(st["daemon"]),
+             *_problem_lines(st)]
     if st.get("run"):
         from eagle3d.daemon.ctl_runs import run_line  # only where the daemon published runs
         lines.append(run_line(st["run"]))
-    trainer = st.get("trainer", {})
-    if st["stage"] in ("train", "done") or trainer.get("status") in ("training", "evaluating"):
-        total = trainer.get("total_steps") or 0
-        frac = (trainer.get("step", 0) / total) if total else (1.0 if st["stage"] == "done" else 0.0)
-        lines.append(f"progress  {_bar(frac)}  training step {trainer.get('step', 0)}/{total}")
-    elif st["stage"] == "generate" or s.get("ungenerated") or s.get("generating"):
-        left = s.get("ungenerated", 0) + s.get("generating", 0)
-        frac = 1 - left / max(s["total"], 1)
-        lines.append(f"progress  {_bar(frac)}  {s['total'] - left:,}/{s['total']:,} samples "
-                     "written by the target")
-    elif st["stage"] == "verify" or (s["verified"] and not s["pending"] and not s["inflight"]):
-        frac = s["verified"] / max(s["total"] - s["excluded"], 1)
-        lines.append(f"progress  {_bar(frac)}  {s['verified']}/{s['total'] - s['excluded']} verified")
-    else:
-        frac = t["done"] / t["total"] if t.get("total") else 0.0
-        lines.append(f"progress  {_bar(frac)}  {t['done']:,}/{t.get('total', 0):,} tokens extracted")
-    # The two states before pending exist only where the target writes the answers.
-    shown = [k for k in STATUSES if s.get(k) or k not in ("ungenerated", "generating")]
-    lines.append("samples   " + " · ".join(f"{k} {s.get(k, 0):,}" for k in ("total", *shown)) +
-                 f" · skipped {s['skipped']:,}")
-    rate = st.get("rate", {})
-    if st.get("trainer", {}).get("status") == "evaluating":
-        lines.append("rate      evaluating the drafter: no rate or ETA until it ends")
-    else:
-        lines.append(f"rate      {rate.get('samples_per_s', 0):.2f} samples/s · "
-                     f"{rate.get('tokens_per_s', 0):,.0f} tokens/s · "
-                     f"ETA {human_s(st.get('eta_s'))}")
-    b = st.get("bytes", {})
-    disk_parts = [f"{x['role'].replace('_dir', '')} {human_bytes(x['free'])} free"
-                  for x in st.get("disk", []) if x["role"] != "train_dir"]
-    reserve = st.get("state_reserve")
-    if reserve and disk_parts:
-        disk_parts[-1] += (f" (its reserve of {human_bytes(reserve['bytes'])} "
-                           f"{'held' if reserve['held'] else 'given up: the disk is full'})")
-    lines.append("disk      " + " · ".join(disk_parts + [
-        f"written {human_bytes(b.get('written', 0))} of {human_bytes(b.get('projected', 0))} "
-        "projected"]))
-    gen = st.get("generate", {})
-    if gen.get("status") == "running" or gen.get("blocked"):
-        lines.append(f"generator {gen['status']}" + (f", pid {gen['pid']}" if gen.get("pid") else "")
-                     + f", {gen.get('rate_per_s', 0):.2f} conversations/s, "
-                     f"{gen.get('restarts', 0)} restarts" + _silent(gen)
-                     + (f": {gen['blocked']}" if gen.get("blocked") else ""))
-    e = st.get("engine", {})
-    if e:
-        extra = f", pid {e['pid']}" if e.get("pid") else ""
-        extra += f", {e['device']}" if e.get("device") else ""
-        lines.append(f"engine    {e.get('status', '-')} ({e.get('kind', '?')}{extra}), "
-                     f"{e.get('restarts', 0)} restarts" + _silent(e) +
-                     (f": {e['blocked']}" if e.get("blocked") else ""))
-    if trainer:
-        from eagle3d.statemachine import train_files  # only where there is a trainer to show
-        parts = [trainer.get("status", "idle")]
-        early = trainer.get("before_first_step")
-        if early:
-            waited = time.time() - early["since"] if early.get("since") else None
-            parts.append(f"{early['status']} for {human_s(waited)}" + (
-                " (the first step: on a GPU the fused kernels compile, a minute or more the "
-                "first time)" if early["status"] == train_files.STARTING else ""))
-        if "loss" in trainer:
-            parts.append(f"loss {trainer['loss']:.3f}")
-        if trainer.get("acc"):
-            parts.append("acc " + "/".join(f"{a:.2f}" for a in trainer["acc"]))
-        if "tokens_per_s" in trainer:
-            parts.append(f"{trainer['tokens_per_s']:,.0f} tokens/s")
-        if trainer.get("status") == "training" and "data_wait" in trainer:
-            wait = trainer["data_wait"]
-            parts.append(f"data wait {wait:.0%} of step time" + (
-                " (waiting for the reader: the dataset's disk sets the pace)"
-                if wait >= train_files.READER_LIMIT else ""))
-        if "acceptance_length" in trainer:
-            parts.append(f"acceptance length {trainer['acceptance_length']:.2f}")
-        if trainer.get("silent"):
-            parts.append(_silent(trainer).lstrip(", "))
-        if trainer.get("blocked"):
-            parts.append(trainer["blocked"])
-        lines.append("trainer   " + " · ".join(parts))
-        if trainer.get("versions"):  # drafters of other [train] settings, kept beside this one
-            kept = [f"{v['key']} " + (f"acceptance length {v['acceptance_length']:.2f}"
-                                      if v.get("acceptance_length") is not None else
-                                      "not evaluated") for v in trainer["versions"]]
-            folder = Path(trainer["versions"][0]["path"]).parent
-            lines.append(f"drafters  current {trainer.get('version', '?')} · kept: "
-                         + " · ".join(kept) + f" (in {folder})")
+    lines += [stage_views.progress(st), _samples_line(st["samples"]), stage_views.rate(st),
+              _disk_line(st)]
+    for view in stage_views.VIEWS:
+        lines += view.lines(st.get(view.key, view.empty))
     if st.get("shards"):
         from eagle3d.daemon import shard_view
         lines += shard_view.render(st["shards"])
@@ -316,9 +243,8 @@ def render_status(st: dict[str, Any]) -> str:
         lines.append(f"gate      {g.get('describe', '?')}")
     for blk in st.get("blocking", []):
         lines.append(f"  failed  {blk['id']}  attempts {blk['attempts']}: {blk['error']}")
-    for note in ("ledger_problem", "metrics_problem"):
-        if st.get(note):
-            lines.append(f"note      {st[note]}")
+    lines += [f"note      {st[note]}" for note in ("ledger_problem", "metrics_problem")
+              if st.get(note)]
     return "\n".join(lines)
 
 

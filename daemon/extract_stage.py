@@ -28,7 +28,7 @@ from eagle3d.statemachine import layout, plan_meta, safepath
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
 from eagle3d.statemachine.safepath import Unsafe
-from eagle3d.statemachine.stages import Decision, Seen, Stage
+from eagle3d.statemachine.stages import Decision, ExtractFacts, Seen, Stage
 
 log = logging.getLogger("eagle3d")
 
@@ -70,6 +70,7 @@ class _NoBorrower:
 class ExtractStage:
     name = Stage.EXTRACT.value
     state_key = "engine"
+    ingests = True
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path,
                  engine_factory: EngineFactory = start_engine,
@@ -111,11 +112,11 @@ class ExtractStage:
 
     # ---- the stage's facts ----------------------------------------------------------------
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
+    def observe(self, seen: Seen) -> ExtractFacts:
         self.seen = seen
         self.budget_held = self.budget_pause(seen.counts)
-        return {"blocked": self.supervisor.fatal or self.spool_problem(),
-                "budget_pause": self.budget_held}
+        return ExtractFacts(budget_pause=self.budget_held,
+                            blocked=self.supervisor.fatal or self.spool_problem())
 
     def spool_problem(self) -> str | None:
         """Why the spool cannot be held, or was replaced under the daemon: extraction stops

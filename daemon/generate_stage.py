@@ -21,7 +21,7 @@ from eagle3d.daemon.children import (Child, Silence, Supervisor, module_argv, re
 from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Seen, Stage
+from eagle3d.statemachine.stages import Decision, GenerateFacts, Seen, Stage
 
 log = logging.getLogger("eagle3d")
 
@@ -35,6 +35,7 @@ def generator_argv(cfg: Config) -> list[str]:
 class GenerateStage:
     name = Stage.GENERATE.value
     state_key = "generate"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
         self.cfg = cfg
@@ -54,7 +55,7 @@ class GenerateStage:
     def grace(self) -> float:
         return self.cfg.extract.engine_stop_grace_s  # the generator and its server hold the target
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
+    def observe(self, seen: Seen) -> GenerateFacts:
         now = time.monotonic()
         left = seen.counts.get("ungenerated") + seen.counts.get("generating")
         if self.left and left < self.left[-1][1]:
@@ -62,7 +63,7 @@ class GenerateStage:
         self.left.append((now, left))
         while self.left and self.left[0][0] < now - RATE_WINDOW_S:
             self.left.popleft()
-        return {"blocked": self.supervisor.fatal}
+        return GenerateFacts(blocked=self.supervisor.fatal)
 
     def rate(self) -> float:
         """Conversations generated per second over the last two minutes."""

@@ -25,10 +25,12 @@ from eagle3d.statemachine.stages import Decision, Seen
 class PipelineStage(Protocol):
     name: str       # the statemachine Stage it works for
     state_key: str  # where state.toml publishes its status
+    # The one stage that ingests: its status holds the pipeline's "rate" and "spool_bytes".
+    ingests: bool
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
-        """Its facts (statemachine.stages.Facts fields); what stops it needing the operator under
-        "blocked"."""
+    def observe(self, seen: Seen) -> tuple[Any, ...]:
+        """Its facts: its own record of statemachine.stages (PlanFacts, ...), whose fields are
+        Facts fields no other stage reports; what stops it needing the operator in `blocked`."""
 
     def step(self, decision: Decision) -> None:
         """One idempotent step for this tick's decision, whatever stage it names."""

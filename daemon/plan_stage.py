@@ -19,7 +19,7 @@ from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import entry, plan_meta
 from eagle3d.statemachine.config import PLANNER_STOP_GRACE_S, Config
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Seen, Stage
+from eagle3d.statemachine.stages import Decision, PlanFacts, Seen, Stage
 
 log = logging.getLogger("eagle3d")
 
@@ -35,6 +35,7 @@ def planner_argv(cfg: Config) -> list[str]:
 class PlanStage:
     name = Stage.PLAN.value
     state_key = "planner"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path) -> None:
         self.cfg = cfg
@@ -78,12 +79,12 @@ class PlanStage:
                 f"(was {', '.join(str(getattr(plan, k)) for k in changed)}); put them back "
                 "and reload: a reload of a new data slice switches to its own run")
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
+    def observe(self, seen: Seen) -> PlanFacts:
         # The plan is read once a tick: the config against the dataset (its contract, its
         # slice), then how far the plan got.
         plan = plan_meta.read(self.ledger)
         self._conflict = self.contract_conflict() or self.data_conflict(plan)
-        return {"plan_complete": self.complete(plan), "blocked": self.blocked}
+        return PlanFacts(self.complete(plan), self.blocked)
 
     @property
     def blocked(self) -> str | None:

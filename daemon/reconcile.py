@@ -329,18 +329,13 @@ class Daemon:
         share = self.cfg.shard.count > 1
         seen = Seen(counts, self.verified_fingerprint() if stages.gate(counts, share).open
                     else None)
-        facts: dict[str, Any] = {}
-        blocked = []
-        for stage in self.stages:
-            part = stage.observe(seen)
-            blocked.append(part.pop("blocked", None))
-            facts.update(part)
-        if facts.get("budget_pause") and self.set_aside:
-            facts["budget_pause"] += budgets.reclaimable(self.set_aside)
-        return Facts(counts=counts, operator_pause=requests.operator_pause(
-                         self.root_cfg.paths.state_dir), share=share,
-                     state_disk_pause=self.state_disk_pause,
-                     blocked=next((b for b in blocked if b), None), **facts)
+        facts = stages.merge(counts, (stage.observe(seen) for stage in self.stages),
+                             operator_pause=requests.operator_pause(self.root_cfg.paths.state_dir),
+                             share=share, state_disk_pause=self.state_disk_pause)
+        if facts.budget_pause and self.set_aside:
+            facts = facts._replace(budget_pause=facts.budget_pause
+                                   + budgets.reclaimable(self.set_aside))
+        return facts
 
     def unblock(self, all_failed: bool) -> None:
         """An operator's retry: the stages try again what had stopped them."""

@@ -15,12 +15,13 @@ from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset.shards import Join, ShardSet
 from eagle3d.statemachine import shards
 from eagle3d.statemachine.config import Config
-from eagle3d.statemachine.stages import Decision, Seen
+from eagle3d.statemachine.stages import Decision, Seen, ShardFacts
 
 
 class ShardGate:
     name = "shards"
     state_key = "shards"
+    ingests = False
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -31,28 +32,29 @@ class ShardGate:
         """What training is tied to: the union's fingerprint, once every shard joined."""
         return self.last.manifest["fingerprint"] if self.last.manifest else ""
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
+    def observe(self, seen: Seen) -> ShardFacts:
         shard = self.cfg.shard
         if not shard.trains:
-            return {"trains_elsewhere": f"{shard.name} is verified and published; the training "
-                    f"node ({shards.folder_name(shards.TRAIN_NODE, shard.count)}) trains"}
+            return ShardFacts(trains_elsewhere=f"{shard.name} is verified and published; the "
+                              "training node "
+                              f"({shards.folder_name(shards.TRAIN_NODE, shard.count)}) trains")
         if seen.fingerprint is None:  # this node's own samples are not all verified yet
-            return {}
+            return ShardFacts()
         if self.set is None:
             own = capture_contract.read(self.cfg.paths.dataset_dir)
             if own is None:
-                return {}
+                return ShardFacts()
             self.set = ShardSet(shards.root_of(self.cfg.paths.dataset_dir), shard.count, own)
         self.last = self.set.join(own=shard.name)
         if self.last.refused:
-            return {"blocked": "refused shards: " + "; ".join(self.last.refused)}
+            return ShardFacts(blocked="refused shards: " + "; ".join(self.last.refused))
         if self.last.waiting:
-            return {"shards_waiting": "waiting for shards to publish a verified manifest: "
-                    + "; ".join(self.last.waiting)}
+            return ShardFacts(shards_waiting="waiting for shards to publish a verified manifest: "
+                              + "; ".join(self.last.waiting))
         if not self.last.manifest["samples"]:
-            return {"blocked": f"every shard's share is empty ({shard.count} shards): nothing "
-                    "to train on; check [data] source, first, limit"}
-        return {}
+            return ShardFacts(blocked=f"every shard's share is empty ({shard.count} shards): "
+                              "nothing to train on; check [data] source, first, limit")
+        return ShardFacts()
 
     def step(self, decision: Decision) -> None:
         """Nothing to run: the shards' daemons do the work."""

@@ -23,7 +23,7 @@ def snapshot(daemon: "Daemon", final: bool = False) -> dict[str, Any]:
     statuses = {s.name: (s.state_key, s.status()) for s in daemon.stages}
     eta = statuses[stage][1].get("eta_s") if stage in statuses else None
     # The throughput and the spool's bytes: figures of the stage that ingests.
-    ingest = next((status for _, status in statuses.values() if "rate" in status), {})
+    ingest = next((statuses[s.name][1] for s in daemon.stages if s.ingests), {})
     gate = stages.gate(counts, daemon.cfg.shard.count > 1)
     return {
         "stage": "stopped" if final else "stopping" if daemon.stopping else (

@@ -22,7 +22,7 @@ from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config, in_force_check
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Seen, Stage
+from eagle3d.statemachine.stages import Decision, Seen, Stage, TrainFacts
 
 log = logging.getLogger("eagle3d")
 
@@ -53,6 +53,7 @@ def eval_argv(cfg: Config) -> list[str]:
 class TrainStage:
     name = Stage.TRAIN.value
     state_key = "trainer"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, pid_dir: Path,
                  fingerprint: Callable[[], str]) -> None:
@@ -92,12 +93,12 @@ class TrainStage:
     def failure(self) -> str | None:
         return self.supervisor.fatal
 
-    def observe(self, seen: Seen) -> dict[str, Any]:
+    def observe(self, seen: Seen) -> TrainFacts:
         held = self.ledger.meta(HELD_KEY)
-        return {"train_done": held in (None, self.key) and
-                train_files.done_for(self.dir, seen.fingerprint and self.fingerprint(),
-                                     self.eval_key),
-                "train_failed": self.failure}
+        return TrainFacts(
+            train_done=held in (None, self.key) and
+            train_files.done_for(self.dir, seen.fingerprint and self.fingerprint(), self.eval_key),
+            train_failed=self.failure)
 
     def _version(self) -> str:
         """The [train] settings key in force; the train folder's drafter is set aside when it

@@ -213,6 +213,7 @@ class VerifyStage:
 
     name = stages.Stage.VERIFY.value
     state_key = "verify"
+    ingests = False
 
     def __init__(self, cfg: Config, ledger: Ledger, engine: Callable[[], Any]) -> None:
         self.cfg = cfg
@@ -252,13 +253,14 @@ class VerifyStage:
             self._manifest = (mtime, doc.get("fingerprint") if doc else None)
         return self._manifest[1]
 
-    def observe(self, seen: stages.Seen) -> dict[str, Any]:
+    def observe(self, seen: stages.Seen) -> stages.VerifyFacts:
         self.seen = seen
         fingerprint = seen.fingerprint
         spot = self.spot.result(fingerprint) if fingerprint else None
-        return {"verify_complete": bool(fingerprint and spot and spot[0]
-                                        and self.manifest_fingerprint() == fingerprint),
-                "spot_check_failed": spot[1] if spot and not spot[0] else None}
+        return stages.VerifyFacts(
+            verify_complete=bool(fingerprint and spot and spot[0]
+                                 and self.manifest_fingerprint() == fingerprint),
+            spot_check_failed=spot[1] if spot and not spot[0] else None)
 
     def step(self, decision: stages.Decision) -> None:
         self.spot.poll()

@@ -6,7 +6,7 @@ a config edit lands exactly where the facts say the pipeline is.
 from __future__ import annotations
 
 from enum import Enum
-from typing import NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 from eagle3d.statemachine.ledger import Counts
 
@@ -71,6 +71,59 @@ class Facts(NamedTuple):
     shards_waiting: str | None = None    # the training node: shards that have not published
     trains_elsewhere: str | None = None  # a shard that is not the training node
     share: bool = False  # one shard of several: an empty share is complete (gate's `share`)
+
+
+# Each stage's facts, one record per stage (daemon/pipeline.py's `observe`): a fact has one owner,
+# and `merge` refuses a second. `blocked` is every stage's own: what stops it needing the operator.
+
+class PlanFacts(NamedTuple):
+    plan_complete: bool
+    blocked: str | None = None
+
+
+class GenerateFacts(NamedTuple):
+    blocked: str | None = None
+
+
+class ExtractFacts(NamedTuple):
+    budget_pause: str | None = None
+    blocked: str | None = None
+
+
+class VerifyFacts(NamedTuple):
+    verify_complete: bool = False
+    spot_check_failed: str | None = None
+    blocked: str | None = None
+
+
+class ShardFacts(NamedTuple):
+    trains_elsewhere: str | None = None
+    shards_waiting: str | None = None
+    blocked: str | None = None
+
+
+class TrainFacts(NamedTuple):
+    train_done: bool = False
+    train_failed: str | None = None
+    blocked: str | None = None
+
+
+def merge(counts: Counts, parts: Iterable[tuple[Any, ...]], **loop: Any) -> Facts:
+    """The stages' records, in pipeline order, and the loop's own facts (`loop`) as one Facts.
+    Two records that declare the same fact are a wiring bug: raised, never one silently
+    overwriting the other. `blocked` is the first stage's that has one."""
+    facts: dict[str, Any] = {}
+    blocked = None
+    for part in parts:
+        for key, value in part._asdict().items():  # type: ignore[attr-defined]
+            if key == "blocked":
+                blocked = blocked or value
+            elif key in facts:
+                raise ValueError(f"two stages report the fact {key!r} ({type(part).__name__} "
+                                 "is the second)")
+            else:
+                facts[key] = value
+    return Facts(counts, blocked=blocked, **facts, **loop)
 
 
 class Decision(NamedTuple):

@@ -291,3 +291,22 @@ def test_export_writes_the_speculators_format_beside_the_sglang_export(config_fa
     assert written["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
     assert written["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
     assert str(out) in done.stdout and '"num_speculative_tokens": 4' in done.stdout
+
+
+@pytest.mark.parametrize("shards", [{}, {"shards": 2, "shard": 1}])
+def test_status_shows_the_stages_in_the_pipelines_order(config_factory, tmp_path, shards):
+    """status and --json show each stage from its own section of state.toml, in the order the
+    daemon's pipeline runs them: a stage added to the pipeline takes its place in both."""
+    from eagle3d.daemon import pipeline, stage_views
+    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.ledger import Ledger
+    cfg = load_config(config_factory({"data": shards}))
+    for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):
+        folder.mkdir(parents=True, exist_ok=True)
+    with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
+        stages = pipeline.build(cfg, ledger, tmp_path, lambda *a: None, lambda: None).stages
+    keys = [stage.state_key for stage in stages]
+    shown = [view.key for view in stage_views.VIEWS]
+    assert set(shown) <= set(keys)
+    assert shown == [key for key in keys if key in shown]
+    assert sum(stage.ingests for stage in stages) == 1  # state.toml's rate is one stage's

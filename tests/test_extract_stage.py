@@ -136,7 +136,7 @@ def test_an_engine_that_dies_returns_its_samples_and_is_restarted_then_given_up(
         assert len(engines) == 2
         engines[1].exit_code = 1
         stage.step(EXTRACT)
-        assert "engine_max_restarts = 1" in stage.observe(Seen(ledger.counts(), None))["blocked"]
+        assert "engine_max_restarts = 1" in stage.observe(Seen(ledger.counts(), None)).blocked
     finally:
         stage.stop(time.monotonic() + 10)
 
@@ -151,7 +151,7 @@ def test_a_full_spool_returns_samples_without_an_attempt_and_pauses(setup):
         stage.step(EXTRACT)
         assert ledger.counts().get("pending") == 10
         assert all(s.attempts == 0 for s in ledger.samples())
-        assert "filled up" in stage.observe(Seen(ledger.counts(), None))["budget_pause"]
+        assert "filled up" in stage.observe(Seen(ledger.counts(), None)).budget_pause
     finally:
         stage.stop(time.monotonic() + 10)
 
@@ -181,7 +181,7 @@ def test_an_engine_that_knows_it_cannot_capture_is_not_restarted(setup):
         stage.supervisor.retry_at = 0
         stage.step(EXTRACT)
         assert len(engines) == 1
-        assert "no ready file" in stage.observe(Seen(ledger.counts(), None))["blocked"]
+        assert "no ready file" in stage.observe(Seen(ledger.counts(), None)).blocked
     finally:
         stage.stop(time.monotonic() + 10)
 
@@ -202,7 +202,7 @@ def test_the_spool_budget_counts_every_dump_in_flight_before_it_is_written(confi
         stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, lambda *args: engine)
         try:
             for _ in range(3):  # the loop's ticks: a budget's pause dispatches nothing
-                if stage.observe(Seen(ledger.counts(), None))["budget_pause"] is None:
+                if stage.observe(Seen(ledger.counts(), None)).budget_pause is None:
                     stage.step(EXTRACT)
             inflight = ledger.counts().tokens.get("inflight", 0)
             assert 0 < inflight * bpt <= cfg.budget.spool_max + 17 * bpt  # one sample past it

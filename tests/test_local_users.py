@@ -275,7 +275,7 @@ def test_a_spool_another_user_replaced_before_its_first_use_is_never_opened(
         stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, lambda *a: pytest.fail("engine"))
         try:
             stage.step(EXTRACT)
-            blocked = stage.observe(Seen(ledger.counts(), None))["blocked"]
+            blocked = stage.observe(Seen(ledger.counts(), None)).blocked
             assert f"cannot open the folder {spool}" in blocked, blocked
             time.sleep(0.3)
         finally:

@@ -254,7 +254,7 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_pa
     from eagle3d.daemon.shard_gate import ShardGate
     from eagle3d.dataset import contract
     from eagle3d.statemachine.ledger import Counts
-    from eagle3d.statemachine.stages import Seen
+    from eagle3d.statemachine.stages import Seen, ShardFacts
     cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
     root = tmp_path / "dataset"
     publish(root, 0, 3)
@@ -263,16 +263,17 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_pa
     publish(root, 2, 3, stage="verify")
     gate = ShardGate(cfg)
     seen = Seen(Counts({"verified": 3}, {}, {}), "fp")
-    assert gate.observe(seen) == {"shards_waiting": "waiting for shards to publish a verified "
-                                  "manifest: shard-2-of-3: verify, 3/4 verified, heartbeat 7 s ago"}
+    assert gate.observe(seen) == ShardFacts(shards_waiting=(
+        "waiting for shards to publish a verified manifest: shard-2-of-3: verify, 3/4 verified, "
+        "heartbeat 7 s ago"))
     assert gate.fingerprint() == ""
     publish(root, 2, 3, target="another/model")
-    blocked = gate.observe(seen)["blocked"]
+    blocked = gate.observe(seen).blocked
     assert blocked.startswith("refused shards: shard-2-of-3: captured under another contract")
     publish(root, 2, 3)  # the shard redone under the right contract joins
-    assert gate.observe(seen) == {} and gate.fingerprint()
+    assert gate.observe(seen) == ShardFacts() and gate.fingerprint()
     one = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 1}}, "one.toml"))
-    assert "trains_elsewhere" in ShardGate(one).observe(seen)
+    assert ShardGate(one).observe(seen).trains_elsewhere
 
 
 def test_the_training_nodes_gate_fails_where_every_share_is_empty(tmp_path):
@@ -281,18 +282,18 @@ def test_the_training_nodes_gate_fails_where_every_share_is_empty(tmp_path):
     from eagle3d.daemon.shard_gate import ShardGate
     from eagle3d.dataset import contract
     from eagle3d.statemachine.ledger import Counts
-    from eagle3d.statemachine.stages import Seen
+    from eagle3d.statemachine.stages import Seen, ShardFacts
     cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
     root = tmp_path / "dataset"
     for index in range(3):
         publish(root, index, 3, n=0)
     contract.write(cfg.paths.dataset_dir, {**CONTRACT, "shard": {"index": 0, "count": 3}})
     seen = Seen(Counts({}, {}, {}), manifest.EMPTY)
-    assert ShardGate(cfg).observe(seen) == {"blocked": "every shard's share is empty (3 "
-                                            "shards): nothing to train on; check [data] source, "
-                                            "first, limit"}
+    assert ShardGate(cfg).observe(seen) == ShardFacts(blocked="every shard's share is empty (3 "
+                                                      "shards): nothing to train on; check [data] "
+                                                      "source, first, limit")
     publish(root, 2, 3, n=1)
-    assert ShardGate(cfg).observe(seen) == {}
+    assert ShardGate(cfg).observe(seen) == ShardFacts()
 
 
 def test_the_training_nodes_gate_refuses_a_shard_of_another_answers_count_naming_it(tmp_path):
@@ -313,7 +314,7 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_answers_count_naming
                                            "shard": {"index": 0, "count": 2}})
     publish(root, 1, 2, **contract.generate_record(two))
     seen = Seen(Counts({"verified": 3}, {}, {}), "fp")
-    assert ShardGate(cfg).observe(seen)["blocked"] == (
+    assert ShardGate(cfg).observe(seen).blocked == (
         "refused shards: shard-1-of-2: captured under another contract than this node's "
         "(generate.answers: 1 -> 2): it cannot join this training")
 
@@ -326,17 +327,17 @@ def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_ti
     from eagle3d.daemon.shard_gate import ShardGate
     from eagle3d.dataset import contract
     from eagle3d.statemachine.ledger import Counts
-    from eagle3d.statemachine.stages import Seen
+    from eagle3d.statemachine.stages import Seen, ShardFacts
     cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
     root = tmp_path / "dataset"
     for index in range(3):
         publish(root, index, 3)
     contract.write(cfg.paths.dataset_dir, {**CONTRACT, "shard": {"index": 0, "count": 3}})
     gate, seen = ShardGate(cfg), Seen(Counts({"verified": 3}, {}, {}), "fp")
-    assert gate.observe(seen) == {}
+    assert gate.observe(seen) == ShardFacts()
     first, reads, union = gate.fingerprint(), gate.set.reads, gate.last.manifest
     for _ in range(3):
-        assert gate.observe(seen) == {} and gate.last.manifest is union
+        assert gate.observe(seen) == ShardFacts() and gate.last.manifest is union
     assert gate.set.reads == reads and gate.fingerprint() == first
     folder = root / "shard-1-of-3"
     path, doc = layout.manifest_file(folder), manifest.read(folder)
@@ -346,7 +347,7 @@ def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_ti
     manifest.write(folder, doc)
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert path.stat().st_size == before.st_size
-    assert gate.observe(seen) == {} and gate.fingerprint() != first
+    assert gate.observe(seen) == ShardFacts() and gate.fingerprint() != first
     assert gate.set.reads == reads + 1  # that manifest, and nothing else
     assert {s["checksum"] for s in gate.last.manifest["samples"]} >= {"cX0"}
 

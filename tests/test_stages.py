@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 
 from eagle3d.statemachine.ledger import Counts
-from eagle3d.statemachine.stages import Facts, Stage, derive
+from eagle3d.statemachine.stages import (ExtractFacts, Facts, GenerateFacts, PlanFacts,
+                                         ShardFacts, Stage, TrainFacts, VerifyFacts, derive,
+                                         merge)
 
 
 def counts(**n: int) -> Counts:
@@ -82,3 +86,32 @@ def test_stage_derivation(name, n, facts, stage, underlying, words):
     decision = derive(Facts(n, **facts))
     assert (decision.stage, decision.underlying) == (stage, underlying)
     assert words in decision.reason
+
+
+RECORDS = (PlanFacts(True), GenerateFacts(), ExtractFacts(budget_pause="disk budget: full"),
+           VerifyFacts(verify_complete=True), ShardFacts(), TrainFacts(train_done=True))
+
+
+def test_the_stages_records_merge_into_the_facts_derive_reads():
+    facts = merge(counts(verified=3), RECORDS, share=False)
+    assert facts == Facts(counts(verified=3), plan_complete=True, verify_complete=True,
+                          train_done=True, budget_pause="disk budget: full")
+    assert derive(facts).stage == Stage.DONE
+
+
+def test_a_fact_two_stages_report_is_refused_not_overwritten():
+    """A second stage that reports budget_pause (its own "None" would hide extract's pause) is
+    a wiring error, said at the first tick."""
+    class AnotherPause(NamedTuple):
+        budget_pause: str | None = None
+
+    with pytest.raises(ValueError, match="two stages report the fact 'budget_pause'"):
+        merge(counts(pending=1), (*RECORDS, AnotherPause()))
+    with pytest.raises(TypeError):  # a stage cannot report what the loop itself knows
+        merge(counts(), (PlanFacts(True),), plan_complete=False)
+
+
+def test_the_first_blocked_stage_in_pipeline_order_is_the_reason():
+    facts = merge(counts(), (PlanFacts(True), ExtractFacts(blocked="the engine failed"),
+                             TrainFacts(blocked="the trainer failed")))
+    assert facts.blocked == "the engine failed"

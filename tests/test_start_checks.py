@@ -14,7 +14,7 @@ from eagle3d.dataset import contract
 from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config import Config, ConfigError, load_config, write_in_force
 from eagle3d.statemachine.ledger import Ledger
-from eagle3d.statemachine.stages import Decision, Seen, Stage
+from eagle3d.statemachine.stages import Decision, PlanFacts, Seen, Stage
 from tests.conftest import smollm_contract, write_conversations
 
 # The plan stage reads the ledger and the contract, nothing the loop counted.
@@ -65,13 +65,13 @@ def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
     cfg = load_config(config_factory({"data": data}))
     with planned_dataset(cfg) as ledger:
         stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
-        assert stage.observe(UNSEEN) == {"plan_complete": True, "blocked": None}
+        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
         edited = load_config(config_factory({"data": data, section: values}))._replace(
             paths=cfg.paths)
         stage.cfg = edited  # a restart (or a reload) with the edit in force
         facts = stage.observe(UNSEEN)
-        assert not facts["plan_complete"]
-        reason = facts["blocked"]
+        assert not facts.plan_complete
+        reason = facts.blocked
         assert named in reason and str(edited.path) in reason
         assert str(layout.contract_file(cfg.paths.dataset_dir)) in reason
         stage.step(Decision(Stage.FAILED, reason, Stage.PLAN))  # what derive makes of it
@@ -79,7 +79,7 @@ def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
         assert ledger.events_of(("contract_mismatch",))
         # The edit undone, the dataset goes on.
         stage.cfg = cfg
-        assert stage.observe(UNSEEN) == {"plan_complete": True, "blocked": None}
+        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
 
 
 def test_other_weights_under_the_same_model_name_block_the_daemon(config_factory, tmp_path):
@@ -88,7 +88,7 @@ def test_other_weights_under_the_same_model_name_block_the_daemon(config_factory
         doc = contract.read(cfg.paths.dataset_dir)
         doc["target_fingerprint"] = "0" * 32  # the model file replaced in place
         contract.write(cfg.paths.dataset_dir, {k: v for k, v in doc.items() if k != "fingerprint"})
-        reason = PlanStage(cfg, ledger, tmp_path).observe(UNSEEN)["blocked"]
+        reason = PlanStage(cfg, ledger, tmp_path).observe(UNSEEN).blocked
         assert "[target] model's weights (fingerprint) is " in reason
 
 

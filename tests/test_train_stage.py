@@ -51,7 +51,7 @@ def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
         stage.supervisor.retry_at > time.monotonic()
     stage.supervisor.retry_at = 0  # the backoff, elapsed
     step_until_idle(stage)
-    assert "[train] max_restarts = 1" in stage.observe(Seen(None, FINGERPRINT))["train_failed"]
+    assert "[train] max_restarts = 1" in stage.observe(Seen(None, FINGERPRINT)).train_failed
     assert stage.status()["status"] == "failed"
 
 
@@ -160,7 +160,7 @@ def test_a_finished_training_is_evaluated_and_marked_done(stage):
              f"write_eval({str(layout.eval_file(train_dir))!r}, {report!r})")
     monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.DIVERGED, write))
     step_until_idle(stage)
-    assert stage.observe(Seen(None, FINGERPRINT))["train_done"]
+    assert stage.observe(Seen(None, FINGERPRINT)).train_done
     assert stage.status()["acceptance_length"] == 1.7
     assert [kind for _, kind, _ in stage.ledger.events_of(("eval_not_greedy", "drafter_done"))] \
         == ["eval_not_greedy", "drafter_done"]
@@ -235,7 +235,7 @@ def test_an_evaluation_that_ends_after_the_manifest_changed_is_not_done(stage):
     assert stage.child is not None and stage.child.name == "evaluate"
     current[0] = "e" * 32  # an exclude rewrote the manifest
     wait_for(lambda: stage.step(TRAIN) or stage.child is None, 30, "the evaluation's exit")
-    assert not stage.observe(Seen(None, current[0]))["train_done"]
+    assert not stage.observe(Seen(None, current[0])).train_done
     assert not train_files.done_for(train_dir, FINGERPRINT, train_files.eval_key(stage.cfg))
     assert [kind for _, kind, _ in stage.ledger.events_of(("train_stale", "drafter_done"))] == \
         ["train_stale"]
