@@ -177,16 +177,18 @@ def test_run_until_done_names_the_current_runs_drafter_after_a_switch(config_fac
     assert str(layout.eval_file(b_cfg.paths.train_dir)) in summary
 
 
-def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_factory):
+def test_a_budget_hit_names_the_set_aside_runs_and_forget_frees_them(config_factory, tmp_path):
     """The dataset disk's budget counts what set-aside runs hold there: its reason names them
     with their sizes, and once one is forgotten it is neither named nor on the disk."""
-    path = config_factory({"budget": {"reserve": "1000TiB"}})  # a budget hit from the start
+    import psutil
+    almost_all = psutil.disk_usage(str(tmp_path)).total - 2**20  # a disk never that empty
+    path = config_factory({"budget": {"reserve": almost_all}})  # a budget hit from the start
     a = load_config(path)
     old = run_select.select(a).run
     prepare_dirs(a)
     (a.paths.dataset_dir / "shard-0000").mkdir()
     (a.paths.dataset_dir / "shard-0000" / "x.safetensors").write_bytes(b"\0" * (3 << 20))
-    config_factory({"target": {"dtype": "bfloat16"}, "budget": {"reserve": "1000TiB"}})
+    config_factory({"target": {"dtype": "bfloat16"}, "budget": {"reserve": almost_all}})
     daemon = Daemon(load_config(path))  # starts on the new contract: the old run set aside
     try:
         assert daemon.current.id != old.id and daemon.cfg.paths.dataset_dir.is_dir()
