@@ -184,6 +184,7 @@ class Supervisor:
         self.on_fatal = on_fatal
         self.window_s = RESTART_WINDOW_S
         self._exits: collections.deque[float] = collections.deque()  # time.monotonic() of each
+        self.exits_total = 0  # since the daemon started, whatever the window forgot: a counter
         self.retry_at = 0.0
         self.fatal: str | None = None
 
@@ -210,6 +211,7 @@ class Supervisor:
         back off and return None, or go FATAL and return the reason. `final`: the child said
         why it can never work (a refusal, whatever its exit code)."""
         self._exits.append(time.monotonic())
+        self.exits_total += 1
         if final or code in entry.FINAL:
             return self.terminal(f"{said}; see the log")
         restarts = self.restarts

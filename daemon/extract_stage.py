@@ -383,7 +383,8 @@ class ExtractStage:
         engine = self.engine
         samples_rate, tokens_rate = self.rates()
         out: dict[str, Any] = {
-            "restarts": self.supervisor.restarts, "eta_s": self.eta(),
+            "restarts": self.supervisor.restarts, "restarts_total": self.supervisor.exits_total,
+            "eta_s": self.eta(),
             "blocked": self.supervisor.fatal,
             "rate": {"samples_per_s": round(samples_rate, 3),
                      "tokens_per_s": round(tokens_rate, 1)},

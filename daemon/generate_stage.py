@@ -172,6 +172,7 @@ class GenerateStage:
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"status": "running" if self.child else self.supervisor.state,
                                "restarts": self.supervisor.restarts,
+                               "restarts_total": self.supervisor.exits_total,
                                "rate_per_s": round(self.rate(), 3), "eta_s": self.eta(),
                                "blocked": self.supervisor.fatal}
         if self.child is not None:

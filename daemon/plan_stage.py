@@ -115,7 +115,8 @@ class PlanStage:
 
     def status(self) -> dict[str, Any]:
         return {"status": "running" if self.child is not None else self.supervisor.state,
-                "restarts": self.supervisor.restarts, "eta_s": None, "blocked": self.blocked}
+                "restarts": self.supervisor.restarts, "restarts_total": self.supervisor.exits_total,
+                "eta_s": None, "blocked": self.blocked}
 
     def stop(self, deadline: float) -> None:
         if self.child is not None:

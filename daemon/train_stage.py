@@ -299,6 +299,7 @@ class TrainStage:
     def status(self) -> dict[str, Any]:
         progress = train_files.read_progress(self.dir)
         out: dict[str, Any] = {"status": self.phase, "restarts": self.supervisor.restarts,
+                               "restarts_total": self.supervisor.exits_total,
                                "eta_s": None, "blocked": self.failure}
         if self.child is not None:
             out["pid"] = self.child.pid

@@ -195,3 +195,5 @@ def test_crashes_further_apart_than_the_window_never_use_up_the_limit(made):
     case.crash(1)
     assert case.stage.supervisor.state == "fatal"
     assert "2 times within" in case.stage.status()["blocked"]
+    # What the window forgets, the metric's counter keeps (eagle3d_child_restarts_total).
+    assert case.stage.status()["restarts_total"] == 5
