@@ -1,6 +1,6 @@
 """bfloat16 against float32 on this CPU, for the demo's three kinds of work, side by side:
 
-- write: the target writing answers (capture/generator.py's TransformersDecoder: SmolLM2-135M-
+- write: the target writing answers (capture/engines/transformers/decoder.py's TransformersDecoder: SmolLM2-135M-
   Instruct, the demo's batch of 32 prompts, greedy);
 - capture: the target's forward over whole conversations, as extract runs it;
 - train: the drafter's training step at the demo's shape (drafter/train.py's train_step, with
@@ -29,7 +29,7 @@ from typing import Callable
 
 import torch
 
-from eagle3d.capture.generator import TransformersDecoder
+from eagle3d.capture.engines.transformers.decoder import TransformersDecoder
 from eagle3d.drafter import train as train_mod
 from eagle3d.statemachine.config import GenerateConfig, load_config
 from eagle3d.target import loading

@@ -31,7 +31,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from eagle3d.dataset import contract, dumpformat
-from eagle3d.capture.worker import Capturer, Job, _Pending, sub_batches
+from eagle3d.capture.engines.transformers.worker import Capturer, Job, _Pending, sub_batches
 
 LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from eagle3d.capture.worker import Capturer, Job
+from eagle3d.capture.engines.transformers.worker import Capturer, Job
 from eagle3d.daemon import verify
 from eagle3d.dataset import dumpformat, precision
 from eagle3d.dataset.conversations import iter_conversations

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import time
@@ -31,17 +30,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any, Iterator, Protocol
 
-import torch
-
-from eagle3d.capture import sglang_client
+from eagle3d.capture import engines
 from eagle3d.capture.planner import END_MARGIN, plan_batch, room_for_answer
-from eagle3d.capture.sglang_serve import API_KEY_ENV
 from eagle3d.dataset import contract
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.target import identity, loading
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, GenerateConfig
-from eagle3d.statemachine.entry import OK, Refusal, child_main
+from eagle3d.statemachine.entry import OK, child_main
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Sample
 from eagle3d.statemachine.lifecycle import die_with_parent
 
@@ -62,51 +58,6 @@ class Decoder(Protocol):
 
     def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
         ...
-
-
-class TransformersDecoder:
-    """The target loaded in this process: one left-padded `generate` with a KV cache."""
-
-    def __init__(self, model: Any, pad: int, eos: set[int], settings: GenerateConfig) -> None:
-        self.model, self.pad, self.eos, self.settings = model, pad, eos, settings
-
-    def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
-        device = self.model.device
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
-        sample = self.settings.temperature > 0
-        torch.manual_seed(seed)
-        with torch.inference_mode():
-            out = self.model.generate(
-                input_ids=ids.to(device), attention_mask=mask.to(device),
-                max_new_tokens=max(rooms), do_sample=sample,
-                temperature=self.settings.temperature if sample else None,
-                top_p=self.settings.top_p if sample else None, top_k=None,
-                pad_token_id=self.pad, eos_token_id=sorted(self.eos))
-        return out[:, width:].tolist()
-
-
-class SGLangDecoder:
-    """The generate stage's SGLang server (daemon/generate_stage.py starts it): one /generate
-    for the prompts given, each with its own room and seed (the generator gives it one
-    conversation's turn at a time, from many threads)."""
-
-    def __init__(self, base_url: str, api_key: str, eos: set[int],
-                 settings: GenerateConfig) -> None:
-        self.base_url, self.api_key, self.eos, self.settings = base_url, api_key, eos, settings
-
-    def __call__(self, prompts: list[list[int]], rooms: list[int], seed: int) -> list[list[int]]:
-        greedy = self.settings.temperature <= 0
-        sampling = [{"max_new_tokens": room, "stop_token_ids": sorted(self.eos),
-                     "temperature": 0.0 if greedy else self.settings.temperature,
-                     "top_p": 1.0 if greedy else self.settings.top_p,
-                     **({} if greedy else {"sampling_seed": seed + i})}
-                    for i, room in enumerate(rooms)]
-        return sglang_client.generate(self.base_url, self.api_key, prompts, sampling)
 
 
 @dataclass
@@ -223,33 +174,6 @@ class Writer:
         return ids, min(self.settings.max_new_tokens, self.max_tokens - len(ids) - END_MARGIN)
 
 
-def _decoder(cfg: Config, tokenizer: Any) -> tuple[Decoder, set[int]]:
-    """The configured engine's decoder, and the tokens that end an answer."""
-    if cfg.target.engine == "sglang":
-        eos = loading.stop_tokens(tokenizer, loading.load_generation_config(cfg.target.model_path))
-        url = f"http://{cfg.sglang.host}:{cfg.sglang.port}"
-        deadline = time.monotonic() + cfg.sglang.startup_timeout_s
-        log.info("waiting for the SGLang generation server at %s", url)
-        while not sglang_client.healthy(url, sglang_client.HEALTH_TIMEOUT_S):
-            if time.monotonic() > deadline:
-                raise Refusal(f"the SGLang generation server at {url} did not answer /health "
-                              f"within [sglang] startup_timeout_s = "
-                              f"{cfg.sglang.startup_timeout_s:.0f} s; see the daemon's log")
-            time.sleep(sglang_client.HEALTH_EVERY_S)
-        # The server's API key, from the daemon that started it (the environment: no other user
-        # reads it there).
-        key = os.environ.get(API_KEY_ENV, "")
-        # The weights of this path were checked against the contract at the start.
-        sglang_client.check_serves(url, str(cfg.target.model_path), key)
-        return SGLangDecoder(url, key, eos, cfg.generate), eos
-    # The configured dtype on a CPU too: the target that writes the answers is the one extract
-    # captures, and a CPU with bfloat16 units (AVX512-BF16, AMX) writes about twice as fast.
-    model = loading.load_model(cfg.target.model_path, cfg.target.dtype, cfg.target.device)
-    eos = loading.stop_tokens(tokenizer, model.generation_config)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
-    return TransformersDecoder(model, pad, eos, cfg.generate), eos
-
-
 def _write_in_batches(writer: Writer, ledger: Ledger,
                       cfg: Config) -> Iterator[tuple[Sample, list[dict]]]:
     """A batch of conversations at a time, every turn one decode of the whole batch: what a
@@ -306,9 +230,10 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     doc = contract.read_checked(cfg.paths.dataset_dir)
     fingerprint = identity.check(doc, cfg.target.model_path, cfg.target.model)
     tokenizer = loading.load_tokenizer(cfg.target.model_path)
-    decode, eos = _decoder(cfg, tokenizer)
+    spec = engines.get(cfg.target.engine)
+    decode, eos = spec.decoder(cfg, tokenizer)
     writer = Writer(decode, tokenizer, eos, cfg.generate, cfg.data.max_tokens)
-    write = _write_streaming if cfg.target.engine == "sglang" else _write_in_batches
+    write = _write_streaming if spec.streaming else _write_in_batches
     settings = {**cfg.generate._asdict(), "model": cfg.target.model,
                 "target_fingerprint": fingerprint, "engine": cfg.target.engine}
     started, done, last_report = time.monotonic(), 0, 0.0

@@ -15,15 +15,14 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO, Any, Callable, Sequence
 
 import psutil
 
-from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import Config, in_force_check
+from eagle3d.statemachine import entry
+from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.lifecycle import die_with_parent
 
@@ -41,13 +40,6 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     env.update(extra or {})
     return env
-
-
-def module_argv(cfg: Config, module: str, *args: str) -> list[str]:
-    """`python -m MODULE -c CONFIG ARGS…` for a child of the daemon, where CONFIG is the config
-    in force (the daemon writes it into the state folder), never the operator's editable file."""
-    return [sys.executable, "-m", module, "-c", str(layout.config_in_force(cfg.paths.state_dir)),
-            *in_force_check(cfg), *args]
 
 
 class Child:

@@ -450,29 +450,18 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
     """The command of each process that runs the target: where the target writes the answers,
     the generate stage's first, each under a comment naming it."""
-    from eagle3d.capture.sglang_launcher import generation_command, launch_command, shell_line
-    from eagle3d.daemon.engine import worker_argv
-    from eagle3d.daemon.generate_stage import generator_argv
-    commands: list[tuple[str, list[str], dict[str, str]]] = []
-    if cfg.data.responses == "target":
-        if cfg.target.engine == "sglang":
-            commands.append(("the generate stage's SGLang server", *generation_command(cfg)))
-        else:
-            commands.append(("the generate stage's generator", generator_argv(cfg), {}))
-    if cfg.target.engine == "sglang":
-        from eagle3d.dataset import contract
-        c = contract.read(cfg.paths.dataset_dir)
-        if c is None:
-            print("no capture contract yet: the plan stage writes it "
-                  f"({layout.contract_file(cfg.paths.dataset_dir)})", file=sys.stderr)
-            return 1
-        commands.append(("the extract stage's SGLang server", *launch_command(cfg, c)))
-    else:
-        commands.append(("the extract stage's engine", worker_argv(cfg), {}))
+    from eagle3d.capture import engines
+    spec = engines.get(cfg.target.engine)
+    try:
+        commands = [spec.generate_command(cfg)] if cfg.data.responses == "target" else []
+        commands.append(spec.capture_command(cfg))
+    except engines.EngineUnavailable as exc:
+        print(exc, file=sys.stderr)
+        return 1
     for what, argv, env in commands:
         if len(commands) > 1:
             print(f"# {what}")
-        print(shell_line(argv, env))
+        print(engines.shell_line(argv, env))
     return 0
 
 

@@ -17,11 +17,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from eagle3d.capture.engines import CaptureEngine as Engine, EngineUnavailable
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon import budgets
 from eagle3d.daemon.children import Silence, Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
-from eagle3d.daemon.engine import EngineUnavailable, plan_batch_item, start_engine
+from eagle3d.daemon.engine import plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
 from eagle3d.daemon.spool import Spool
 from eagle3d.statemachine import layout, plan_meta, safepath
@@ -34,19 +35,6 @@ log = logging.getLogger("eagle3d")
 
 DISK_FULL_BACKOFF_S = 5.0
 RATE_WINDOW_S = 60.0
-
-
-class Engine(Protocol):
-    """What the stage needs of an engine (daemon/engine.py has the two real ones)."""
-    kind: str
-    ready: bool
-    device: str
-    pid: int  # and, optionally, `problem`: why it will never become ready
-
-    def submit(self, batch: list[dict[str, Any]], out: Path) -> None: ...
-    def events(self) -> list[dict]: ...
-    def poll(self) -> int | None: ...
-    def stop(self, grace: float) -> int: ...
 
 
 EngineFactory = Callable[[Config, Path, dict[str, Any]], Engine]

@@ -3,9 +3,9 @@ the assistant turns of every planned conversation (capture/generator.py), workin
 ledger itself. The stage starts it, follows its progress from the ledger's counts, and when it
 dies returns what it held, counting an attempt for each, and starts it again (bounded).
 
-With [target] engine = "sglang" the stage also starts the SGLang server the generator decodes
-with (sglang_launcher.generation_command: no capture in it), beside the generator and for as long
-as it runs: a server that dies ends the generator's round, and the next round starts both anew.
+Where the engine decodes through a server (its spec's generation_server: SGLang's, with no capture
+in it), the stage also starts that server, beside the generator and for as long as it runs: a
+server that dies ends the generator's round, and the next round starts both anew.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import collections
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-from eagle3d.daemon.children import (Child, Silence, Supervisor, module_argv, remaining,
-                                     stage_failed)
+from eagle3d.capture import engines
+from eagle3d.capture.engines import generator_argv
+from eagle3d.daemon.children import Child, Silence, Supervisor, remaining, stage_failed
 from eagle3d.statemachine import entry
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
@@ -26,10 +27,6 @@ from eagle3d.statemachine.stages import Decision, GenerateFacts, Seen, Stage
 log = logging.getLogger("eagle3d")
 
 RATE_WINDOW_S = 120.0
-
-
-def generator_argv(cfg: Config) -> list[str]:
-    return module_argv(cfg, "eagle3d.capture.generator")
 
 
 class GenerateStage:
@@ -86,8 +83,9 @@ class GenerateStage:
         if decision.stage != Stage.GENERATE or not self.supervisor.may_start:
             return
         key: dict[str, str] = {}
-        if self.cfg.target.engine == "sglang":
-            started = self._start_server()
+        server = engines.get(self.cfg.target.engine).generation_server
+        if server is not None:
+            started = self._start_server(server)
             if started is None:
                 return
             key = started
@@ -107,7 +105,8 @@ class GenerateStage:
             return code, f"the generator exited with code {code}", True
         server_code = self.server.poll() if self.server is not None else None
         if server_code is not None:
-            return None, f"the SGLang generation server exited with code {server_code}", True
+            title = engines.get(self.cfg.target.engine).title
+            return None, f"the {title} generation server exited with code {server_code}", True
         if decision.underlying != Stage.GENERATE or decision.stage == Stage.FAILED:
             return entry.OK, "generation is over", True
         silent = self.silence.overdue()
@@ -115,22 +114,17 @@ class GenerateStage:
             return None, silent, False
         return None
 
-    def _start_server(self) -> dict[str, str] | None:
+    def _start_server(self, server: Callable[[Config], engines.GenerationServer]
+                      ) -> dict[str, str] | None:
         """Start the generation server; the environment that gives the generator its API key,
         or None where it cannot start (the stage is then failed with the reason)."""
-        from eagle3d.capture.sglang_launcher import generation_command, launch_problem
-        from eagle3d.capture.sglang_serve import API_KEY_ENV
-        problem = launch_problem(self.cfg)
-        if problem is None:
-            try:
-                argv, env = generation_command(self.cfg)
-            except ValueError as exc:
-                problem = f"[sglang] {exc}"
-        if problem is not None:
-            self.supervisor.terminal(problem)
+        try:
+            launch = server(self.cfg)
+        except engines.EngineUnavailable as exc:
+            self.supervisor.terminal(str(exc))
             return None
-        self.server = Child("generation-server", argv, self.pid_dir, env=env)
-        return {API_KEY_ENV: env[API_KEY_ENV]}
+        self.server = Child("generation-server", launch.argv, self.pid_dir, env=launch.env)
+        return launch.generator_env
 
     def _end_round(self, grace: float) -> None:
         """The generator and its server stop side by side: one grace for both, not one each."""

@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from eagle3d.daemon.children import Child, Supervisor, module_argv, remaining
+from eagle3d.daemon.children import Child, Supervisor, remaining
 from eagle3d.daemon.run_select import weights_of
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import entry, plan_meta
@@ -29,7 +29,7 @@ CONTRACT_MISMATCH = ("the config does not match this run's capture contract (the
 
 
 def planner_argv(cfg: Config) -> list[str]:
-    return module_argv(cfg, "eagle3d.capture.planner")
+    return entry.module_argv(cfg, "eagle3d.capture.planner")
 
 
 class PlanStage:

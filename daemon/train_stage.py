@@ -16,8 +16,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.daemon.children import (Child, Silence, Supervisor, module_argv, remaining,
-                                     stage_failed)
+from eagle3d.daemon.children import Child, Silence, Supervisor, remaining, stage_failed
 from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine.config import Config, in_force_check
@@ -46,8 +45,8 @@ def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
 
 
 def eval_argv(cfg: Config) -> list[str]:
-    return module_argv(cfg, "eagle3d.drafter.evaluate",
-                       "--out", str(layout.eval_file(cfg.paths.train_dir)))
+    return entry.module_argv(cfg, "eagle3d.drafter.evaluate",
+                             "--out", str(layout.eval_file(cfg.paths.train_dir)))
 
 
 class TrainStage:

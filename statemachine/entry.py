@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import (IN_FORCE_OPTION, Config, ConfigError, check_in_force,
-                                          load_config)
+                                          in_force_check, load_config)
 from eagle3d.statemachine.logs import setup_logging
 
 OK = 0
@@ -50,6 +52,13 @@ class DatasetChanged(Refusal):
     def __init__(self, message: str, samples: Sequence[str] = ()) -> None:
         super().__init__(message)
         self.samples = tuple(samples)
+
+
+def module_argv(cfg: Config, module: str, *args: str) -> list[str]:
+    """`python -m MODULE -c CONFIG ARGS…` for a child of the daemon, where CONFIG is the config
+    in force (the daemon writes it into the state folder), never the operator's editable file."""
+    return [sys.executable, "-m", module, "-c", str(layout.config_in_force(cfg.paths.state_dir)),
+            *in_force_check(cfg), *args]
 
 
 def child_main(process: str, description: str, run: Callable[[Config, argparse.Namespace], int],

@@ -80,6 +80,28 @@ def rejected_dir(spool_dir: Path) -> Path:
     return Path(spool_dir) / "rejected"
 
 
+# An engine's plugin keeps its own files in a folder of the spool named after the engine
+# (capture/engines/<name>/): the spool scan offers files to ingest and moves stray dot-named
+# files to rejected/, but leaves folders alone. Relative to the spool: the plugin and the
+# daemon each join them to the spool they hold.
+
+
+def engine_handshake(engine: str) -> str:
+    """The plugin's ready file: written once capture is set up; the engine is ready only after
+    the daemon reads it (capture/engines/sglang/plugin.py)."""
+    return f"{engine}/ready.json"
+
+
+def engine_spot_folder(engine: str) -> str:
+    """The dumps of the spot check's re-extractions, out of ingest's sight."""
+    return f"{engine}/spot"
+
+
+def engine_failed_folder(engine: str) -> str:
+    """An empty `<sample id>.<kind>` per dump the plugin could not write."""
+    return f"{engine}/failed"
+
+
 # ---- the dataset --------------------------------------------------------------------------------
 
 

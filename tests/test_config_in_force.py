@@ -124,7 +124,7 @@ def test_the_engine_refuses_a_target_with_other_weights(config_factory, tmp_path
     doc = contract.read(cfg.paths.dataset_dir)
     doc["target_fingerprint"] = "0" * 32  # as if the model file had been replaced in place
     contract.write(cfg.paths.dataset_dir, {k: v for k, v in doc.items() if k != "fingerprint"})
-    worker = subprocess.run([sys.executable, "-m", "eagle3d.capture.worker", "-c",
+    worker = subprocess.run([sys.executable, "-m", "eagle3d.capture.engines.transformers.worker", "-c",
                              str(layout.config_in_force(cfg.paths.state_dir))],
                             stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
     assert worker.returncode == entry.CONTRACT_MISMATCH, worker.stderr

@@ -165,14 +165,14 @@ def test_engine_command_names_each_process_that_runs_the_target(config_factory):
     the dataset's answers only the engine does, on one line as before."""
     dataset = ctl(config_factory({"data": {"responses": "dataset"}}), "engine-command")
     assert dataset.returncode == 0, dataset.stderr
-    assert dataset.stdout.count("\n") == 1 and "eagle3d.capture.worker -c" in dataset.stdout
+    assert dataset.stdout.count("\n") == 1 and "eagle3d.capture.engines.transformers.worker -c" in dataset.stdout
     target = ctl(config_factory({"data": {"responses": "target"}}, name="target.toml"),
                  "engine-command")
     assert target.returncode == 0, target.stderr
     lines = target.stdout.splitlines()
     assert lines[0] == "# the generate stage's generator"
     assert "eagle3d.capture.generator -c" in lines[1] and "config.toml --in-force " in lines[1]
-    assert lines[2] == "# the extract stage's engine" and "eagle3d.capture.worker -c" in lines[3]
+    assert lines[2] == "# the extract stage's engine" and "eagle3d.capture.engines.transformers.worker -c" in lines[3]
 
 
 @pytest.mark.slow

@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eagle3d.capture.generator import TransformersDecoder, Writer, _decoder
+from eagle3d.capture import engines
+from eagle3d.capture.engines.transformers.decoder import TransformersDecoder
+from eagle3d.capture.generator import Writer
 from eagle3d.capture.planner import plan_batch, plan_prompts
-from eagle3d.capture.sglang_plugin import CaptureSettings
+from eagle3d.capture.engines.sglang.plugin import CaptureSettings
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import GenerateConfig, load_config
@@ -95,7 +97,7 @@ def test_the_target_writes_in_its_configured_dtype(config_factory, tmp_path):
         cfg = load_config(messages_config(config_factory, tmp_path, 1,
                                           target={"dtype": dtype, "device": "cpu"},
                                           data={"responses": "target"}))
-        decoder, _ = _decoder(cfg, loading.load_tokenizer(cfg.target.model_path))
+        decoder, _ = engines.get(cfg.target.engine).decoder(cfg, loading.load_tokenizer(cfg.target.model_path))
         assert decoder.model.dtype == getattr(torch, dtype)
 
 

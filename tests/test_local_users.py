@@ -82,7 +82,7 @@ def test_sglang_answers_a_local_user_without_the_start_key_with_401_only(
     endpoint but /health answers 401, so no one swaps the weights, aborts or pauses. The key
     is in no command line the user can read, and the server's environment is closed to them;
     the daemon's own client gets through with it."""
-    from eagle3d.capture.sglang_client import check_serves
+    from eagle3d.capture.engines.sglang.client import check_serves
     from tests.test_sglang_engine import engine, wait
     monkeypatch.setenv("FAKE_SGLANG", "ok")
     eng = engine(tmp_path)

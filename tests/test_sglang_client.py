@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 from eagle3d.dataset import dumpformat
-from eagle3d.capture.sglang_client import SGLangClient, check_serves, healthy
-from eagle3d.capture.sglang_plugin import (SPOT_FOLDER, SPOT_PREFIX, Capture, DumpWriter,
-                                           ledger_loss_masks)
-from eagle3d.daemon.engine import deliver_redirected
+from eagle3d.capture.engines.sglang.client import SGLangClient, check_serves, healthy
+from eagle3d.capture.engines.sglang.handle import deliver_redirected
+from eagle3d.capture.engines.sglang.plugin import (SPOT_FOLDER, Capture, DumpWriter,
+                                                   ledger_loss_masks)
+from eagle3d.capture.engines.sglang.spec import SPOT_PREFIX
 from test_sglang_plugin import (CONTRACT, check_dump, decode_batch, extend_batch, hidden_table,
                                 plan, sample_id)
 

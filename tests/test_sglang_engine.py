@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.capture import sglang_client
-from eagle3d.daemon.engine import EngineUnavailable, SGLangEngine
+from eagle3d.capture.engines import EngineUnavailable
+from eagle3d.capture.engines.sglang import client as sglang_client
+from eagle3d.capture.engines.sglang.handle import SGLangEngine
+from eagle3d.daemon.engine import start_engine
 from eagle3d.statemachine.config import parse_config
 from eagle3d.target.loading import fingerprint_file_or_folder
 from test_sglang_plugin import CONTRACT, REQUESTS, plan
@@ -68,7 +70,7 @@ def engine(tmp_path: Path, port: int | None = None,
         "sglang": {"python": str(python), "port": port or free_port(),
                    "startup_timeout_s": 60.0}},
         tmp_path / "eagle3d.toml")
-    return SGLangEngine(cfg, tmp_path / "pids", {
+    return start_engine(cfg, tmp_path / "pids", {
         "fingerprint": CONTRACT, "layer_ids": LAYERS, "dtype": "bfloat16",
         "dump_dtype": "bfloat16", "target_fingerprint": fingerprint_file_or_folder(captured)})
 

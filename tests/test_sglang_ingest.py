@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from eagle3d.dataset import contract as capture_contract
-from eagle3d.capture.sglang_plugin import Capture, DumpWriter, ledger_loss_masks
+from eagle3d.capture.engines.sglang.plugin import Capture, DumpWriter, ledger_loss_masks
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations

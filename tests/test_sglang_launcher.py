@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.capture.sglang_launcher import (CAPTURE_FLAGS, SUPPORTED, check_version,
-                                             generation_command, launch_command, shell_line)
-from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN, CaptureSettings
-from eagle3d.capture.sglang_serve import API_KEY_ENV
+from eagle3d.capture.engines import shell_line
+from eagle3d.capture.engines.sglang.launcher import (CAPTURE_FLAGS, SUPPORTED, check_version,
+                                                     generation_command, launch_command)
+from eagle3d.capture.engines.sglang.plugin import CaptureSettings
+from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN
+from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
 from eagle3d.statemachine.config import parse_config
 
 CONTRACT = {"fingerprint": "c" * 32, "layer_ids": [2, 30, 58], "dtype": "bfloat16",
@@ -39,7 +41,7 @@ def test_command_starts_sglang_with_the_flags_capture_needs(tmp_path, monkeypatc
     monkeypatch.delenv("SGLANG_PLUGINS", raising=False)
     argv, env = launch_command(config(tmp_path, extra_args=["--trust-remote-code"]), CONTRACT)
     # SGLang through sglang_serve, which adds this start's API key out of other users' sight.
-    assert argv[:3] == ["/opt/sglang/bin/python", "-m", "eagle3d.capture.sglang_serve"]
+    assert argv[:3] == ["/opt/sglang/bin/python", "-m", "eagle3d.capture.engines.sglang.serve"]
     assert flag(argv, "--model-path") == str(tmp_path / "Kimi-K2.5")
     assert (flag(argv, "--tp-size"), flag(argv, "--port"), flag(argv, "--dtype")) == \
         ("8", "30123", "bfloat16")
@@ -124,7 +126,7 @@ def fake_packages(root: Path, sglang: str | None, plugin: bool) -> Path:
         info.mkdir()
         (info / "METADATA").write_text("Metadata-Version: 2.1\nName: eagle3d\nVersion: 0.1.0\n")
         (info / "entry_points.txt").write_text(
-            "[sglang.srt.plugins]\neagle3d_capture = eagle3d.capture.sglang_plugin:register\n")
+            "[sglang.srt.plugins]\neagle3d_capture = eagle3d.capture.engines.sglang.plugin:register\n")
     return root
 
 

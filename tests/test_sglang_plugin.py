@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3d.dataset import dumpformat, precision
-from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, Capture, CaptureError,
+from eagle3d.capture.engines.sglang.plugin import (HANDSHAKE_FILE, Capture, CaptureError,
                                            CaptureSettings, DumpWriter, HostBatch, check_layers,
                                            handshake_problem, ledger_loss_masks, prepare,
                                            read_handshake, request_id, split_extend_batch)
@@ -383,7 +383,7 @@ def test_a_dump_the_full_spool_cannot_hold_reaches_the_daemon_as_a_disk_event(tm
                                                                              full_tmpfs):
     """ENOSPC in the plugin's writer: no partial dump, and the daemon reads which sample and why
     at its next look (not after [extract] inflight_timeout_s), once."""
-    from eagle3d.capture.sglang_plugin import failed_writes
+    from eagle3d.capture.engines.sglang.plugin import failed_writes
     table = hidden_table()
     writer = DumpWriter(full_tmpfs, CONTRACT, ledger_loss_masks(plan(tmp_path, REQUESTS)))
     capture = Capture(writer, num_layers=3, radix_cache_off=True, dump_dtype="bfloat16")

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from eagle3d.daemon.children import module_argv
+from eagle3d.statemachine.entry import module_argv
 from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.reconcile import prepare_dirs
 from eagle3d.dataset import contract

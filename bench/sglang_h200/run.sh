@@ -7,7 +7,7 @@
 #             the bundle's first 3600, or $CONVERSATIONS_XZ (build_bundle.sh's sharegpt-all,
 #             every complete conversation of the file, for a run at full scale)
 #   model     the GGUF as a plain Hugging Face folder, WORK/model (target/loading.py's conversion)
-#   smoke     capture/sglang_smoke.py: dumps vs transformers, and capture overhead
+#   smoke     capture/engines/sglang/smoke.py: dumps vs transformers, and capture overhead
 #   mla       the same check on a small random DeepSeek-V3 model (MLA + MoE, mla_model.py)
 #   pipeline  the daemon with engine = "sglang": plan → extract → verify → train → done
 #   target    the same with the target's own answers, written by the generate stage's SGLang
@@ -45,9 +45,9 @@ export PYTHONPATH="$work/site:$here/stubs" PYTHONUNBUFFERED=1
 conversations=$work/conversations.jsonl
 # The trimmed kernel libraries cannot JIT-compile: triton attention, torch sampling, no grammar.
 SERVER_ARGS=(--attention-backend triton --sampling-backend pytorch --grammar-backend none)
-smoke() {  # MODEL SUMMARY [ARG...]: capture/sglang_smoke.py as the daemon would launch SGLang
+smoke() {  # MODEL SUMMARY [ARG...]: capture/engines/sglang/smoke.py as the daemon would launch SGLang
   # The spool in memory, as the daemon's configs have it: the overhead is capture's, not a disk's.
-  python3 -m eagle3d.capture.sglang_smoke --model "$1" --python python3 \
+  python3 -m eagle3d.capture.engines.sglang.smoke --model "$1" --python python3 \
     --work "/dev/shm/eagle3d-smoke-$(basename "$2" .json)" --mem-fraction 0.3 \
     --summary "$work/out/$2" "${@:3}" $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}")
 }
@@ -115,7 +115,7 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
       echo "== target tree done $(date -u +%H:%M:%S)"
       wait $second; wait $graphs || true; touch "$work/out/ttt.done" ;;
     graphs) probe ;;
-    compare) python3 -m eagle3d.capture.sglang_smoke --dataset "$work/pipeline/sglang.toml" \
+    compare) python3 -m eagle3d.capture.engines.sglang.smoke --dataset "$work/pipeline/sglang.toml" \
         --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
     tree) evaluate tree --steps 5 --topk 4 --num-draft-tokens 8
       evaluate chain3 --steps 3 ;;

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from cost_model import Costs, break_even_tau, kimi_costs, predicted_speedup
-from eagle3d.capture.sglang_client import HEALTH_TIMEOUT_S, healthy
+from eagle3d.capture.engines.sglang.client import HEALTH_TIMEOUT_S, healthy
 from eagle3d.drafter.evaluate import cache_kwargs, prompts_from, read_source
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config, load_config

@@ -141,7 +141,7 @@ def act_second_daemon(world: World, p: dict[str, Any]) -> str:
     if not world.alive():
         return "skip"
     engines = {k for k in ow._children(world.daemon.proc.pid)
-               if "eagle3d.capture.worker" in " ".join(_cmd(k))}
+               if "eagle3d.capture.engines.transformers.worker" in " ".join(_cmd(k))}
     second = DaemonProcess(world.config)
     try:
         code = second.proc.wait(90)
@@ -299,7 +299,7 @@ def act_hostile_dump(world: World, p: dict[str, Any]) -> str:
 
 
 def _engine_ran(world: World) -> bool:
-    return any("eagle3d.capture.worker" in " ".join(_cmd(k))
+    return any("eagle3d.capture.engines.transformers.worker" in " ".join(_cmd(k))
                for k in ow._children(world.daemon.proc.pid))
 
 
@@ -313,7 +313,7 @@ def act_long_switch(world: World, p: dict[str, Any]) -> str:
     edit_config(world.config, "extract", engine_stop_grace_s=grace)
     edit_config(world.config, "budget", reserve=ow.LIFT)
     ow.act_reload(world, p)
-    engine = ow.wait(lambda: _child(world, 0, "eagle3d.capture.worker"), 90)
+    engine = ow.wait(lambda: _child(world, 0, "eagle3d.capture.engines.transformers.worker"), 90)
     if engine is None:
         return f"grace {grace} s: no engine came (stage {ow.status(world)[1].get('stage')!r})"
     engine.suspend()

@@ -36,7 +36,7 @@ def arg(name: str) -> str:
 
 
 def load_model(mode: str) -> None:
-    from eagle3d.capture.sglang_plugin import CaptureSettings, prepare
+    from eagle3d.capture.engines.sglang.plugin import CaptureSettings, prepare
     from test_sglang_plugin import LlamaForCausalLM, ServerArgs
     from types import SimpleNamespace
     server_args = ServerArgs(
@@ -137,7 +137,7 @@ def handler(generate: Generator | None) -> type:
 
 
 if __name__ == "__main__":
-    from eagle3d.capture.sglang_plugin import CaptureSettings
+    from eagle3d.capture.engines.sglang.plugin import CaptureSettings
     mode = os.environ.get("FAKE_SGLANG", "ok")
     generate = None
     if CaptureSettings.from_env(os.environ) is None:

@@ -1,4 +1,4 @@
-"""`python -m eagle3d.capture.sglang_serve ARGS`: `python -m sglang.launch_server ARGS` with the
+"""`python -m eagle3d.capture.engines.sglang.serve ARGS`: `python -m sglang.launch_server ARGS` with the
 API key of this start added, taken from the environment.
 
 SGLang reads its key from the command line only (`--api-key`), and every local user reads every
@@ -14,7 +14,7 @@ import os
 import runpy
 import sys
 
-# The HTTP API key of one server start (capture/sglang_launcher.py makes it; the daemon's client
+# The HTTP API key of one server start (capture/engines/sglang/launcher.py makes it; the daemon's client
 # and the generator send it as `Authorization: Bearer`).
 API_KEY_ENV = "EAGLE3D_SGLANG_API_KEY"
 SERVER_MODULE = "sglang.launch_server"

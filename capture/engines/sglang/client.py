@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.capture.sglang_plugin import (HANDSHAKE_FILE, handshake_problem, read_handshake,
+from eagle3d.capture.engines.sglang.plugin import (HANDSHAKE_FILE, handshake_problem, read_handshake,
                                            request_id)
 
 REQUEST_TIMEOUT_S = 3600.0  # a prefill queued behind many others; the daemon has its own timeout
@@ -48,7 +48,7 @@ def healthy(base_url: str, timeout: float) -> bool:
 
 def _request(base_url: str, path: str, api_key: str,
              body: dict[str, Any] | None = None) -> urllib.request.Request:
-    """A request to the server, with the start's API key (sglang_serve.API_KEY_ENV): the server
+    """A request to the server, with the start's API key (serve.API_KEY_ENV): the server
     refuses every other caller."""
     headers = {"Authorization": f"Bearer {api_key}"}
     if body is not None:
@@ -106,8 +106,8 @@ def generate(base_url: str, api_key: str, prompts: list[list[int]],
 class SGLangClient:
     def __init__(self, base_url: str, max_concurrency: int, api_key: str,
                  request_key: str = "") -> None:
-        """`api_key`: the server start's (sglang_serve.API_KEY_ENV). `request_key`: the
-        capturing server's (sglang_plugin.ENV_REQUEST_KEY), which each request id carries;
+        """`api_key`: the server start's (serve.API_KEY_ENV). `request_key`: the
+        capturing server's (spec.ENV_REQUEST_KEY), which each request id carries;
         events name the samples without it."""
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")

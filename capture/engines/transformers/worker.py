@@ -1,4 +1,4 @@
-"""The transformers engine: `python -m eagle3d.capture.worker -c CONFIG`, a long-lived child of
+"""The transformers engine: `python -m eagle3d.capture.engines.transformers.worker -c CONFIG`, a long-lived child of
 the daemon that turns token ids into hidden-state dumps.
 
 Protocol (one JSON object per line, UTF-8):

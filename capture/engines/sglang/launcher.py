@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shlex
 import socket
 import subprocess
 from typing import Any
 
-from eagle3d.capture.sglang_plugin import (ENTRY_POINT_GROUP, PLUGIN_NAME, CaptureSettings)
-from eagle3d.capture.sglang_serve import API_KEY_ENV
+from eagle3d.capture.engines.sglang.plugin import CaptureSettings
+from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
+from eagle3d.capture.engines.sglang.spec import ENTRY_POINT_GROUP, PLUGIN_NAME
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import Config
@@ -67,14 +67,14 @@ def _reserved_flag(arg: str) -> str | None:
 
 def _server_argv(cfg: Config, dtype: str, own: list[str]) -> list[str]:
     """What both of eagle3d's servers take from the config, computing in `dtype`, then `own`
-    flags, then the operator's extra_args. SGLang starts through sglang_serve, which adds the
+    flags, then the operator's extra_args. SGLang starts through serve.py, which adds the
     start's API key (_server_env) to these out of sight of other users."""
     for arg in cfg.sglang.extra_args:
         flag = _reserved_flag(arg)
         if flag:
             raise ValueError(f"{cfg.path}: [sglang.extra_args] {flag} is set by eagle3d for "
                              "capture to be correct; remove it")
-    return [cfg.sglang.python, "-m", "eagle3d.capture.sglang_serve",
+    return [cfg.sglang.python, "-m", "eagle3d.capture.engines.sglang.serve",
             "--model-path", str(cfg.target.model_path),
             "--tp-size", str(cfg.sglang.tp),
             "--dtype", dtype,
@@ -121,12 +121,6 @@ def generation_command(cfg: Config) -> tuple[list[str], dict[str, str]]:
     a server never both generates and captures (capture needs the flags above, and a request it
     captures must be a prefill of a finished conversation)."""
     return _server_argv(cfg, cfg.target.dtype, []), _server_env()
-
-
-def shell_line(argv: list[str], env: dict[str, str]) -> str:
-    """The command as an operator would type it (for `eagle3ctl engine-command`)."""
-    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
-                     *map(shlex.quote, argv)])
 
 
 def launch_problem(cfg: Config) -> str | None:

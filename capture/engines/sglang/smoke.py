@@ -1,6 +1,6 @@
 """Smoke test of the SGLang engine, for an operator on a GPU box with SGLang installed:
 
-    python -m eagle3d.capture.sglang_smoke --model meta-llama/Llama-3.2-1B-Instruct
+    python -m eagle3d.capture.engines.sglang.smoke --model meta-llama/Llama-3.2-1B-Instruct
 
 It starts SGLang exactly as the daemon would (same command, same capture plugin), prefills a
 handful of chat prompts through the same client, and compares every dump with the hidden states
@@ -28,10 +28,11 @@ from typing import Iterable, Iterator
 from eagle3d.dataset import contract as contract_mod
 from eagle3d.dataset import dumpformat, precision
 from eagle3d.target import loading
-from eagle3d.capture.sglang_client import SGLangClient, Startup
-from eagle3d.capture.sglang_launcher import check_version, launch_command, shell_line
-from eagle3d.capture.sglang_plugin import ENV_REQUEST_KEY, ENV_TOKEN
-from eagle3d.capture.sglang_serve import API_KEY_ENV
+from eagle3d.capture.engines import shell_line
+from eagle3d.capture.engines.sglang.client import SGLangClient, Startup
+from eagle3d.capture.engines.sglang.launcher import check_version, launch_command
+from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
+from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN
 from eagle3d.statemachine.config import (DUMP_DTYPES, Config, DataConfig, PathsConfig,
                                          SGLangConfig, TargetConfig)
 from eagle3d.statemachine import layout

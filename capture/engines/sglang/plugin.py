@@ -12,7 +12,7 @@ parallelism every rank holds the same full hidden states, and rank 0 alone write
 The part that touches SGLang is the last section of this module and is as thin as possible;
 everything above it is plain torch and tested here. Written against the source of sglang 0.5.14
 and 0.5.23 (names cited where used), run inside 0.5.17; supported range in
-capture/sglang_launcher.py.
+capture/engines/sglang/launcher.py.
 
 The dump's loss mask is not known inside SGLang (a request carries token ids only), so the writer
 reads it, with the planned token count, from the ledger's plan (read-only). That lookup also
@@ -32,8 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN, NAME, SPOT_PREFIX
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.dumpformat import AUX, LAST
+from eagle3d.statemachine import layout
 from eagle3d.statemachine.entry import ContractMismatch
 from eagle3d.target import identity, layers
 from eagle3d.target.loading import fingerprint_file_or_folder
@@ -45,19 +47,11 @@ ENV_SPOOL = "EAGLE3D_SPOOL"          # folder the dumps go to
 ENV_CONTRACT = "EAGLE3D_CONTRACT"    # the capture contract's fingerprint, stamped on every dump
 ENV_LAYER_IDS = "EAGLE3D_LAYER_IDS"  # the contract's layer ids, in the contract's convention
 ENV_LEDGER = "EAGLE3D_LEDGER"        # the ledger, for each sample's loss mask
-ENV_TOKEN = "EAGLE3D_START_TOKEN"    # names one server start: a ready file from an older one is stale
 ENV_DUMP_DTYPE = "EAGLE3D_DUMP_DTYPE"  # the contract's dump dtype: how a dump stores the states
-# A secret of one server start, which every request id the daemon sends carries: environments
-# are private to their user, so another local user's request to the server is never dumped.
-ENV_REQUEST_KEY = "EAGLE3D_REQUEST_KEY"
-# The plugin's own files live in this folder of the spool: the daemon's spool scan offers files
-# to ingest and moves stray dot-named files to rejected/, but leaves folders alone.
-PLUGIN_FOLDER = "sglang"
+# ENV_TOKEN and ENV_REQUEST_KEY, which the daemon reads too, are the spec's.
 # Rank 0 writes this once capture is set up; the daemon declares the engine ready only after
 # reading it.
-HANDSHAKE_FILE = f"{PLUGIN_FOLDER}/ready.json"
-PLUGIN_NAME = "eagle3d_capture"      # the entry point's name (pyproject.toml)
-ENTRY_POINT_GROUP = "sglang.srt.plugins"
+HANDSHAKE_FILE = layout.engine_handshake(NAME)
 
 # SGLang targets, as dotted paths for HookRegistry.register (sglang/srt/plugins/hook_registry.py).
 LOAD_MODEL_TARGET = "sglang.srt.model_executor.model_runner.ModelRunner.load_model"
@@ -68,14 +62,13 @@ LOGITS_ARGS = ("input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_
 
 # A request id SPOT_PREFIX + sample id is the daemon's spot check re-extracting a verified
 # sample: its dump goes to SPOT_FOLDER, out of ingest's sight (it would be a duplicate there).
-SPOT_PREFIX = "spot-"
-SPOT_FOLDER = f"{PLUGIN_FOLDER}/spot"
+SPOT_FOLDER = layout.engine_spot_folder(NAME)
 # A dump the plugin could not write leaves `<sample id>.<kind>` here, an empty file (an inode,
 # no data: it is made on a full tmpfs too), kind "disk_full" (ENOSPC, EDQUOT) or "write_failed"
 # (any other error of the file system): the daemon returns the sample at once, without an
 # attempt, as the transformers worker's error event of that kind does, instead of waiting for
 # [extract] inflight_timeout_s.
-FAILED_FOLDER = f"{PLUGIN_FOLDER}/failed"
+FAILED_FOLDER = layout.engine_failed_folder(NAME)
 
 WRITE_QUEUE_BATCHES = 4  # forward batches waiting for the writer before a forward waits
 

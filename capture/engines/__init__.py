@@ -1,0 +1,131 @@
+"""The engines that run the target, behind one seam (torchtitan's TrainSpec registry): each
+engine is a folder, capture/engines/<name>/, whose `spec.py` registers an `EngineSpec` here.
+The rest of eagle3d asks `get(cfg.target.engine)` and never tests an engine's name.
+
+Specs are light (stdlib, the config, layout): the daemon and eagle3ctl import them, and must
+never import torch. What a spec names is imported only when it is called: the extract stage's
+capture engine, the generate stage's server, the generator's decoder (in the generator child,
+where torch is), and the commands `eagle3ctl engine-command` prints.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from eagle3d.statemachine import entry
+from eagle3d.statemachine.config import ENGINES, Config
+
+# (what it is, argv, environment): one process that runs the target, as eagle3ctl prints it.
+Command = tuple[str, list[str], dict[str, str]]
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine cannot be started as configured; the message tells the operator why."""
+
+
+class Process(Protocol):
+    """The daemon's handle on a child process (daemon/children.py's Child)."""
+
+    pid: int
+    proc: Any  # its subprocess.Popen
+
+    def poll(self) -> int | None: ...
+
+    def signal(self, sig: int) -> None: ...
+
+    def stop(self, grace: float) -> int: ...
+
+
+# Starts the engine's process as a child of the daemon: (argv, environment, pipes to its
+# stdin and stdout) → the running child.
+Spawn = Callable[[list[str], "dict[str, str] | None", bool], Process]
+
+
+class CaptureEngine(Protocol):
+    """What the extract stage holds of a running engine: submit batches, read events, stop.
+    Events are hints; the dumps in the spool are the results."""
+
+    kind: str
+    ready: bool
+    device: str
+    pid: int  # and, optionally, `problem`: why it will never become ready
+
+    def submit(self, batch: list[dict[str, Any]], out: Path) -> None: ...
+
+    def events(self) -> list[dict]: ...
+
+    def poll(self) -> int | None: ...
+
+    def stop(self, grace: float) -> int: ...
+
+
+@dataclass(frozen=True)
+class GenerationServer:
+    """A server the generate stage starts beside the generator, which decodes through it."""
+
+    argv: list[str]
+    env: dict[str, str]
+    generator_env: dict[str, str]  # what the generator is told of it (its API key)
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine: everything the daemon, eagle3ctl and the generator need to know of it."""
+
+    name: str  # [target] engine
+    title: str  # as messages name it
+    section: str | None  # its own config section ([sglang]); None where [target] is all it reads
+    # The generator keeps each conversation in flight on its own (a server that batches
+    # whatever is in flight), or decodes a batch of them in lockstep (a model in its process).
+    streaming: bool
+    # The extract stage's engine, started as a child of the daemon; raises EngineUnavailable.
+    capture_engine: Callable[[Config, dict[str, Any], Spawn], CaptureEngine]
+    # The server the generate stage starts beside the generator, None where the generator
+    # holds the target itself; raises EngineUnavailable.
+    generation_server: Callable[[Config], GenerationServer] | None
+    # In the generator child: (the decoder, the tokens that end an answer) from the tokenizer.
+    decoder: Callable[[Config, Any], tuple[Callable[..., list[list[int]]], set[int]]]
+    # As eagle3ctl prints them: the generate stage's process that runs the target, and the
+    # extract stage's; either raises EngineUnavailable.
+    generate_command: Callable[[Config], Command]
+    capture_command: Callable[[Config], Command]
+
+
+def generator_argv(cfg: Config) -> list[str]:
+    return entry.module_argv(cfg, "eagle3d.capture.generator")
+
+
+def shell_line(argv: list[str], env: dict[str, str]) -> str:
+    """The command as an operator would type it (for `eagle3ctl engine-command`)."""
+    return " ".join([*(f"{k}={shlex.quote(v)}" for k, v in sorted(env.items())),
+                     *map(shlex.quote, argv)])
+
+
+_SPECS: dict[str, EngineSpec] = {}
+
+
+def register(spec: EngineSpec) -> EngineSpec:
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def get(name: str) -> EngineSpec:
+    """The spec of [target] engine `name` (the config has checked it is one of names())."""
+    return _SPECS[name]
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_SPECS)
+
+
+# The registrations: one line per engine. The config checks [target] engine against ENGINES
+# (statemachine cannot import capture), so the two lists must agree.
+from eagle3d.capture.engines.transformers import spec as _transformers  # noqa: E402,F401
+from eagle3d.capture.engines.sglang import spec as _sglang  # noqa: E402,F401
+
+if set(names()) != set(ENGINES):
+    raise ImportError(f"the engines registered ({', '.join(names())}) are not the config's "
+                      f"[target] engine choices ({', '.join(ENGINES)}): statemachine/config.py")
