@@ -23,7 +23,8 @@ from typing import IO, Any, Callable, Sequence
 import psutil
 
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import Config, in_force_check
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_in_force import in_force_check
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.lifecycle import die_with_parent
 

@@ -20,7 +20,8 @@ from eagle3d.daemon.children import (Child, Silence, Supervisor, module_argv, re
                                      stage_failed)
 from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
-from eagle3d.statemachine.config import Config, in_force_check
+from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_in_force import in_force_check
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage
 
