@@ -2,11 +2,13 @@
 
 The config in force the daemon writes for its children is statemachine/config_in_force.py; what
 a reload may take on the fly, statemachine/reload_policy.py. Every problem names the file and
-the key. Unknown keys are errors, because a misspelt key that is
-silently ignored is a setting the operator believes is in force and is not.
-"""
+the key. Unknown keys are errors, because a misspelt key that is silently ignored is a setting
+the operator believes is in force and is not.
 
-from __future__ import annotations
+The schema's annotations are evaluated as the classes are made (no `from __future__ import
+annotations`): the converters are read from them, and compiling them as strings at each start
+of eagle3ctl would cost more than all its other work.
+"""
 
 import functools
 import importlib.util
@@ -16,7 +18,7 @@ import stat
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Callable, NamedTuple, get_origin, get_type_hints
+from typing import Annotated, Any, Callable, NamedTuple, get_origin
 
 from eagle3d.statemachine import shards
 
@@ -414,15 +416,14 @@ class Config(NamedTuple):
 @functools.cache
 def section_classes() -> dict[str, type]:
     """Section name -> its class, in the order of Config."""
-    hints = get_type_hints(Config)
-    return {name: hints[name] for name in Config._fields[1:]}
+    return {name: Config.__annotations__[name] for name in Config._fields[1:]}
 
 
 @functools.cache
 def keys_of(cls: type) -> dict[str, Key]:
     """The keys an operator can write in a section: its fields that name a converter."""
     keys = {}
-    for name, hint in get_type_hints(cls, include_extras=True).items():
+    for name, hint in cls.__annotations__.items():
         if get_origin(hint) is not Annotated:
             continue  # derived while validating
         meta = hint.__metadata__

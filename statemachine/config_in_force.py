@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eagle3d.statemachine import digests, layout, runs, shards
+from eagle3d.statemachine import digests, layout, shards
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.config import (Config, ConfigError, as_written, keys_of, load_config,
                                          section_classes)
@@ -70,6 +70,7 @@ def load_in_force(path: str | os.PathLike) -> Config:
     daemon has written one for the config at `path` (its state folder), else that config. An
     edit the daemon refused must not show a command, or start a trainer, it would not run.
     That of the current run (statemachine/runs.py): its folders are the run's."""
+    from eagle3d.statemachine import runs  # lazily: eagle3ctl status answers in a blink
     cfg = load_config(path)
     in_force = layout.config_in_force(runs.current_state_dir(cfg.paths.state_dir))
     return load_config(in_force) if in_force.is_file() else cfg
