@@ -22,7 +22,6 @@ from typing import IO, Any, Callable, Sequence
 import psutil
 
 from eagle3d.statemachine import entry
-from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.lifecycle import die_with_parent
 

@@ -33,8 +33,8 @@ from typing import Any, Callable
 from eagle3d.daemon import stage_views
 from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, pointer
-from eagle3d.statemachine.config import (DERIVED, Config, ConfigError, human_bytes,
-                                         load_config, load_in_force)
+from eagle3d.statemachine.config import DERIVED, Config, ConfigError, human_bytes, load_config
+from eagle3d.statemachine.config_in_force import load_in_force
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
 from eagle3d.statemachine.statefile import read_state
@@ -275,7 +275,7 @@ def results_summary(config_path: str) -> str:
 
 def changed_keys(old: Config, new: Config) -> list[str]:
     """`[section] key` of every setting that differs, for the operator to read (which of them a
-    reload takes is config.reload_verdict's to say)."""
+    reload takes is reload_policy.reload_verdict's to say)."""
     return [f"[{section}] {key}" for section in Config._fields[1:]
             for key, value in getattr(new, section)._asdict().items()
             if key not in DERIVED and getattr(getattr(old, section), key) != value]
@@ -289,7 +289,8 @@ def what_a_reload_does(new: Config) -> tuple[int, str]:
     # These read MiBs of weights and the disks: not status's path.
     from eagle3d.daemon import run_select
     from eagle3d.statemachine import runs
-    from eagle3d.statemachine.config import NEEDS_RESTART, PathsConfig
+    from eagle3d.statemachine.config import PathsConfig
+    from eagle3d.statemachine.reload_policy import NEEDS_RESTART
 
     running = pointer.read(new.path)
     if not running:

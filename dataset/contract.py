@@ -19,7 +19,7 @@ else:  # pragma: no cover
 
 from eagle3d.statemachine import digests, layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config import Config, contract_fields
 from eagle3d.statemachine.entry import Refusal
 
 LAYER_CONVENTION = "hidden state entering decoder layer i (HF hidden_states[i])"
@@ -31,11 +31,6 @@ FINAL_STATE = "post_norm"
 BINDING = ("format", "target", "target_fingerprint", "tokenizer_fingerprint",
            "chat_template_fingerprint", "layer_ids", "layer_convention", "final_state", "dtype",
            "hidden_size", "num_layers", "vocab_size")
-# The [generate] settings that decide what the target writes ([data] responses = "target").
-GENERATE = ("max_new_tokens", "max_turns", "temperature", "top_p", "seed")
-# And [generate] answers, recorded only above 1: a contract of one answer per conversation keeps
-# the fingerprint it had before answers existed, so its dumps stay valid.
-ANSWERS = "answers"
 
 
 def default_layer_ids(num_layers: int) -> list[int]:
@@ -57,13 +52,11 @@ def dump_dtype(contract: dict[str, Any]) -> str:
 
 def generate_record(cfg: Config) -> dict[str, Any]:
     """What a contract records of the [generate] settings: where the target writes the
-    answers, the settings that decide what it writes; else nothing."""
-    if cfg.data.responses != "target":
-        return {}
-    record = {k: getattr(cfg.generate, k) for k in GENERATE}
-    if cfg.generate.answers > 1:
-        record[ANSWERS] = cfg.generate.answers
-    return {"generate": record}
+    answers, the settings that decide what it writes (Config.generate_keys: answers only above
+    1, so a contract of one answer per conversation keeps the fingerprint it had before answers
+    existed, and its dumps stay valid); else nothing."""
+    record = cfg.generate_keys()
+    return {"generate": record} if record else {}
 
 
 def _binding(contract: dict[str, Any]) -> dict[str, Any]:
@@ -127,7 +120,9 @@ def _generate_pairs(a: dict[str, Any], b: dict[str, Any] | None) -> dict[str, tu
     shard of another K names `generate.answers`), `answers` 1 where left out."""
     if b is None:
         return {"generate": (a, None)}
-    a, b = {ANSWERS: 1, **a}, {ANSWERS: 1, **b}
+    left_out = {key.name: key.binds.left_out_at for _, key in contract_fields()
+                if key.binds.left_out_at is not None}
+    a, b = {**left_out, **a}, {**left_out, **b}
     return {f"generate.{k}": (a.get(k), b.get(k)) for k in {**a, **b}}
 
 

@@ -1,11 +1,16 @@
-"""The operator's desired state: one TOML file, validated strictly.
+"""The operator's desired state: one TOML file, its schema, validated strictly.
 
-Every problem names the file and the key. Unknown keys are errors, because a misspelt key that is
-silently ignored is a setting the operator believes is in force and is not.
+The config in force the daemon writes for its children is statemachine/config_in_force.py; what
+a reload may take on the fly, statemachine/reload_policy.py. Every problem names the file and
+the key. Unknown keys are errors, because a misspelt key that is silently ignored is a setting
+the operator believes is in force and is not.
+
+The schema's annotations are evaluated as the classes are made (no `from __future__ import
+annotations`): the converters are read from them, and compiling them as strings at each start
+of eagle3ctl would cost more than all its other work.
 """
 
-from __future__ import annotations
-
+import functools
 import importlib.util
 import math
 import os
@@ -13,10 +18,9 @@ import stat
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Annotated, Any, Callable, NamedTuple, get_origin
 
-from eagle3d.statemachine import digests, layout, shards
-from eagle3d.statemachine.atomic import atomic_write_bytes
+from eagle3d.statemachine import shards
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -102,304 +106,7 @@ def resolve_location(value: str, base: Path) -> Path:
     return path if path.is_absolute() else (base / path)
 
 
-class TargetConfig(NamedTuple):
-    model: str
-    engine: str = "transformers"
-    dtype: str = "bfloat16"
-    aux_layers: tuple[int, ...] | None = None  # None: the EAGLE-3 default for the model's depth
-    device: str = "auto"
-    model_path: Path = Path()
-
-
-class DataConfig(NamedTuple):
-    source: str
-    format: str = "auto"
-    first: int = 0
-    limit: int = 1000
-    max_tokens: int = 2048
-    responses: str = "dataset"  # "target": the target writes every assistant turn itself
-    planner_max_restarts: int = 2
-    shards: int = 1  # extraction over this many nodes (statemachine/shards.py)
-    shard: int = 0  # this node's share, or from the environment variable named below
-    shard_from_env: str = ""  # e.g. "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"
-    source_path: Path = Path()
-
-
-class GenerateConfig(NamedTuple):
-    max_new_tokens: int = 512  # per assistant turn
-    max_turns: int = 0  # assistant turns per conversation; 0: one per user turn
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int = 0
-    answers: int = 1  # answers written per conversation (sampled: temperature above 0)
-    batch_size: int = 32  # conversations generated together
-    max_attempts: int = 3
-    max_restarts: int = 5  # of the generator (and its SGLang server)
-
-
-class PathsConfig(NamedTuple):
-    state_dir: Path
-    spool_dir: Path
-    dataset_dir: Path
-    train_dir: Path
-
-
-class BudgetConfig(NamedTuple):
-    reserve: int = 10 * 1024**3
-    spool_max: int = 8 * 1024**3
-
-
-class ExtractConfig(NamedTuple):
-    dump_dtype: str = "bfloat16"  # left out of a config: the [target] dtype (see parse_config)
-    batch_tokens: int = 8192
-    max_inflight_tokens: int = 65536
-    max_inflight_samples: int = 256
-    inflight_timeout_s: float = 900.0
-    max_attempts: int = 3
-    engine_max_restarts: int = 5
-    engine_stop_grace_s: float = 30.0  # SIGTERM to SIGKILL, for every child holding the target
-    engine_silence_s: float = 900.0  # no progress from a running engine or generator: restarted
-    ingest_threads: int = 4
-    rescan_interval_s: float = 5.0
-
-
-class VerifyConfig(NamedTuple):
-    workers: int = 2
-    spot_checks: int = 3
-    spot_tolerance: float = 0.05  # docs/operations.md: how it was measured
-
-
-class TrainConfig(NamedTuple):
-    nproc: int = 1  # per node
-    nnodes: int = 1
-    node_rank: int = 0  # node 0 runs the daemon; nodes 1.. run `eagle3d train-node`
-    rendezvous: str = ""  # node 0's HOST:PORT, where torchrun's nodes meet; nnodes > 1 only
-    device: str = "auto"
-    draft_vocab: int = 32000
-    intermediate_size: int = 0  # the drafter's MLP width; 0: the target's
-    ttt_steps: int = 7
-    loss_on: str = "answers"  # LOSS_ON
-    epochs: float = 1.0
-    max_steps: int = 0  # 0: as many as the epochs need
-    batch_tokens: int = 4096
-    lr: float = 1e-4
-    warmup_steps: int = 50
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    checkpoint_every: int = 200
-    max_restarts: int = 3
-    stop_grace_s: float = 60.0  # SIGTERM to SIGKILL: the trainer checkpoints in between
-    silence_s: float = 1800.0  # no progress from a training trainer (a checkpoint fits): restarted
-    seed: int = 0
-    threads: int = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
-    report_to: str = ""  # REPORT_TO: where the curves go besides metrics.jsonl and metrics.png
-
-
-class EvalConfig(NamedTuple):
-    source: str = ""  # empty: the data source
-    first: int = 0
-    limit: int = 20
-    steps: int = 5
-    max_new_tokens: int = 64
-    batch_size: int = 32  # prompts decoded together
-    source_path: Path = Path()
-
-
-class SGLangConfig(NamedTuple):
-    python: str = "python3"
-    tp: int = 1
-    host: str = "127.0.0.1"
-    port: int = 30000
-    mem_fraction: float = 0.85
-    startup_timeout_s: float = 1800.0
-    extra_args: tuple[str, ...] = ()
-
-
-class MetricsConfig(NamedTuple):
-    textfile: str = ""  # node_exporter's textfile collector reads it; empty: none written
-
-
-class Config(NamedTuple):
-    path: Path
-    target: TargetConfig
-    data: DataConfig
-    paths: PathsConfig
-    budget: BudgetConfig = BudgetConfig()
-    extract: ExtractConfig = ExtractConfig()
-    verify: VerifyConfig = VerifyConfig()
-    generate: GenerateConfig = GenerateConfig()
-    train: TrainConfig = TrainConfig()
-    eval: EvalConfig = EvalConfig()
-    sglang: SGLangConfig = SGLangConfig()
-    metrics: MetricsConfig = MetricsConfig()
-
-    @property
-    def shard(self) -> shards.Shard:
-        return shards.Shard(self.data.shard, self.data.shards)
-
-    def contract_keys(self) -> dict[str, Any]:
-        """What a dataset is bound to: change one of these and the old dumps no longer fit."""
-        keys = {"model": self.target.model, "dtype": self.target.dtype,
-                "dump_dtype": self.extract.dump_dtype,
-                "aux_layers": list(self.target.aux_layers) if self.target.aux_layers else "default",
-                "source": self.data.source, "first": self.data.first,
-                "max_tokens": self.data.max_tokens, "responses": self.data.responses}
-        if self.data.responses == "target":  # what the target writes depends on these too
-            g = self.generate
-            keys.update(max_new_tokens=g.max_new_tokens, max_turns=g.max_turns,
-                        temperature=g.temperature, top_p=g.top_p, seed=g.seed)
-            if g.answers > 1:  # left out at 1: the datasets written before it keep their key
-                keys["answers"] = g.answers
-        return keys
-
-
-# ---- the config in force ---------------------------------------------------------------------
-
-# Fields computed from others while validating: not part of what an operator writes.
-DERIVED = ("model_path", "source_path")
-# A daemon's child gets the config in force's digest with this option (entry.child_main).
-IN_FORCE_OPTION = "--in-force"
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, tuple):
-        return list(value)
-    return value
-
-
-def to_toml(cfg: Config) -> str:
-    """The config as a TOML document that loads back to the same Config from any folder."""
-    import tomli_w  # only the daemon writes it; eagle3ctl must start in a blink
-    doc: dict[str, Any] = {}
-    for section in Config._fields[1:]:
-        values = getattr(cfg, section)._asdict()
-        doc[section] = {k: _plain(v) for k, v in values.items() if k not in DERIVED}
-    doc["target"]["aux_layers"] = list(cfg.target.aux_layers or ()) or "default"
-    if cfg.data.shards > 1:  # the configured roots and the index in force, wherever it came from
-        doc["data"]["shard_from_env"] = ""
-        doc["paths"].update({k: str(shards.root_of(getattr(cfg.paths, k)))
-                             for k in shards.SHARDED_PATHS})
-    return ("# The config in force, written by the eagle3d daemon: every child starts from this\n"
-            f"# file. Edit {cfg.path} instead, then reload (systemctl reload eagle3d).\n"
-            + tomli_w.dumps(doc))
-
-
-def write_in_force(cfg: Config) -> Path:
-    """Write the config the daemon holds where every child reads it; returns the path."""
-    path = layout.config_in_force(cfg.paths.state_dir)
-    atomic_write_bytes(path, to_toml(cfg).encode())
-    return path
-
-
-def in_force_check(cfg: Config) -> list[str]:
-    """The arguments by which a child of the daemon makes sure that the config in force it
-    reads is the one the daemon holds (entry.child_main checks them): the daemon holds what it
-    wrote; eagle3ctl, the config in force it loaded, that file as it read it (the file's header
-    names the daemon's own config, which a config loaded from the file does not know)."""
-    in_force = layout.config_in_force(cfg.paths.state_dir)
-    held = in_force.read_bytes() if cfg.path == in_force else to_toml(cfg).encode()
-    return [IN_FORCE_OPTION, digests.hex_digest(held)]
-
-
-def check_in_force(path: Path, digest: str | None) -> None:
-    """Refuse a config in force edited (or replaced) by hand since the daemon wrote it: its
-    children must start from the config it holds, which passed every check a reload makes."""
-    if digest is None:  # not a child of the daemon: a command an operator typed
-        return
-    try:
-        found = digests.hex_digest(path.read_bytes())
-    except OSError:
-        return  # load_config says what is wrong with it
-    if found != digest:
-        raise ConfigError(f"{path} is not the config in force the daemon holds: edited by hand "
-                          "after the daemon wrote it? Edit the config named at the top of the "
-                          "file and reload the daemon instead (systemctl reload eagle3d), which "
-                          "writes this one again")
-
-
-def load_in_force(path: str | os.PathLike) -> Config:
-    """For processes beside the daemon (eagle3ctl, train-node): the config in force where the
-    daemon has written one for the config at `path` (its state folder), else that config. An
-    edit the daemon refused must not show a command, or start a trainer, it would not run.
-    That of the current run (statemachine/runs.py): its folders are the run's."""
-    from eagle3d.statemachine import runs  # it builds on this module
-    cfg = load_config(path)
-    in_force = layout.config_in_force(runs.current_state_dir(cfg.paths.state_dir))
-    return load_config(in_force) if in_force.is_file() else cfg
-
-
-# What a reload does with a config it cannot take live (eagle3ctl check-config says which).
-NEEDS_RESTART, REFUSED = "needs a restart", "refused"
-
-
-def reload_verdict(old: Config, new: Config) -> tuple[str, str] | None:
-    """(NEEDS_RESTART or REFUSED, why) where a new config cannot be taken on the fly, else None.
-    An edit of the contract keys is taken: it switches runs (statemachine/runs.py,
-    daemon/reconcile.py)."""
-    if new.paths != old.paths:
-        moved = ", ".join(k for k in PathsConfig._fields
-                          if getattr(new.paths, k) != getattr(old.paths, k))
-        return NEEDS_RESTART, (f"[paths] {moved} changed: restart the daemon to switch to other "
-                               "folders (systemctl restart eagle3d)")
-    if new.target.engine != old.target.engine:
-        return NEEDS_RESTART, "[target] engine changed: restart the daemon to switch engines"
-    problem = daemon_problem(new)
-    return None if problem is None else (REFUSED, problem)
-
-
-def reload_problem(old: Config, new: Config) -> str | None:
-    """Why a new config cannot be taken on the fly, or None (reload_verdict's why)."""
-    verdict = reload_verdict(old, new)
-    return None if verdict is None else verdict[1]
-
-
-def daemon_problem(cfg: Config) -> str | None:
-    """Why the daemon must not run with this config, or None: only node 0 runs the pipeline
-    (it owns the ledger and the train stage); the other nodes of a multi-node training only
-    lend their GPUs to it."""
-    if cfg.train.node_rank == 0:
-        return None
-    return (f"{cfg.path}: [train] node_rank = {cfg.train.node_rank}: the daemon runs on node 0 "
-            f"only; on this node run `eagle3d train-node -c {cfg.path}`")
-
-
-# ---- validation -------------------------------------------------------------------------------
-
-class _Checker:
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def fail(self, key: str, what: str) -> ConfigError:
-        return ConfigError(f"{self.path}: [{key}] {what}")
-
-    def section(self, raw: dict, name: str, required: bool = False) -> dict:
-        value = raw.get(name, None)
-        if value is None:
-            if required:
-                raise ConfigError(f"{self.path}: missing section [{name}]")
-            return {}
-        if not isinstance(value, dict):
-            raise ConfigError(f"{self.path}: {name} must be a [{name}] table")
-        return value
-
-    def build(self, cls: type, section: str, values: dict, converters: dict[str, Callable]) -> Any:
-        kwargs: dict[str, Any] = {}
-        for key, value in values.items():
-            if key not in converters:
-                known = ", ".join(sorted(k for k in converters))
-                raise self.fail(f"{section}.{key}", f"unknown key (known keys: {known})")
-            try:
-                kwargs[key] = converters[key](value)
-            except (TypeError, ValueError, OverflowError, OSError) as exc:
-                raise self.fail(f"{section}.{key}", str(exc)) from None
-        missing = [name for name in cls._fields if name in converters and name not in kwargs
-                   and name not in cls._field_defaults]
-        if missing:
-            raise self.fail(f"{section}.{missing[0]}", "is required")
-        return cls(**kwargs)
-
+# ---- how one value is read ----------------------------------------------------------------
 
 def _typed(kind: type, *, minimum: float | None = None, maximum: float | None = None,
            choices: tuple | None = None) -> Callable[[Any], Any]:
@@ -423,10 +130,6 @@ def _typed(kind: type, *, minimum: float | None = None, maximum: float | None = 
             raise ValueError(f"must be at most {maximum}, got {value!r}")
         return value
     return convert
-
-
-def _size(value: Any) -> int:
-    return parse_size(value)
 
 
 def _aux_layers(value: Any) -> tuple[int, ...] | None:
@@ -464,6 +167,476 @@ def _rendezvous(value: Any) -> str:
         raise ValueError(f"expected node 0's HOST:PORT, such as \"10.0.0.1:29400\", "
                          f"got {value!r}")
     return value
+
+
+def _textfile(value: Any, base: Path) -> str:
+    """The metrics file: node_exporter's textfile collector reads only names ending in .prom,
+    so any other name would be written and never scraped. Its folder is looked for at each
+    write, not here: a host without node_exporter yet still runs (status says why nothing is
+    written)."""
+    if not isinstance(value, str):
+        raise TypeError(f"expected a file path, got {value!r}")
+    if value and not value.endswith(".prom"):
+        raise ValueError(f"node_exporter reads only files named *.prom, got {value!r}")
+    return str(resolve_location(value, base)) if value else ""
+
+
+def _dir(value: Any, base: Path) -> Path:
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"expected a folder path, got {value!r}")
+    _no_nul(value)
+    resolved = resolve_location(value, base)
+    anchor = resolved
+    while not anchor.exists():
+        anchor = anchor.parent
+    if not anchor.is_dir():
+        raise ValueError(f"{value!r} cannot be created: {anchor} is not a folder")
+    return Path(os.path.normpath(resolved.absolute()))
+
+
+_POS_INT = _typed(int, minimum=1)
+_NONNEG_INT = _typed(int, minimum=0)
+_POS_FLOAT = _typed(float, minimum=1e-9)
+_STR = _typed(str)
+_DEVICE = _typed(str, choices=("auto", "cpu", "cuda"))
+_GRACE = _typed(float, minimum=1.0, maximum=STOP_BUDGET_S)
+# Sane maxima where a number feeds arithmetic: a ledger row's index is a source index times
+# [generate] answers (at most 64) and stays an SQLite integer; token ids and counts are int32;
+# a wait longer than a week is a typo (and past ~2^31 s time.sleep raises); numpy seeds are
+# 32-bit.
+_INDEX = _typed(int, minimum=0, maximum=2**48)
+_COUNT = _typed(int, minimum=1, maximum=2**48)
+_TOKENS = _typed(int, minimum=1, maximum=2**31 - 1)
+_SECONDS = _typed(float, minimum=1e-9, maximum=7 * 86400.0)
+_SEED = _typed(int, minimum=0, maximum=2**32 - 1)
+
+
+# ---- the schema: each key once, with how its value is read ----------------------------------
+#
+# A section's fields are the keys an operator writes, each annotated with the converter that reads
+# its value (Annotated[type, converter]); a field without one is derived while validating (a
+# location resolved). parse_config, the config in force, the template's documentation check
+# (tests/test_prod_config.py) and the capture contract's keys all read this.
+
+class Binds(NamedTuple):
+    """Marks a key of the capture contract (Config.contract_keys): a dataset captured under one
+    value does not fit another, so an edit switches runs (statemachine/runs.py)."""
+    generated: bool = False  # only where the target writes the answers ([data] responses)
+    left_out_at: int | None = None  # a value left out of the keys: those from before it stay
+
+
+BINDS, GENERATED = Binds(), Binds(generated=True)
+
+
+class InFolder(NamedTuple):
+    """A converter of a location, read relative to the config file's folder."""
+    convert: Callable[[Any, Path], Any]
+
+
+class Key(NamedTuple):
+    """One key an operator can write: how its value is read, its default, whether it binds."""
+    name: str
+    convert: Callable[[Any, Path], Any]
+    default: Any
+    required: bool
+    binds: Binds | None
+
+
+class TargetConfig(NamedTuple):
+    model: Annotated[str, _STR, BINDS]
+    engine: Annotated[str, _typed(str, choices=ENGINES)] = "transformers"
+    dtype: Annotated[str, _typed(str, choices=DTYPES), BINDS] = "bfloat16"
+    # None: the EAGLE-3 default for the model's depth
+    aux_layers: Annotated[tuple[int, ...] | None, _aux_layers, BINDS] = None
+    device: Annotated[str, _DEVICE] = "auto"
+    model_path: Path = Path()
+
+
+class DataConfig(NamedTuple):
+    source: Annotated[str, _STR, BINDS]
+    format: Annotated[str, _typed(str, choices=FORMATS)] = "auto"
+    first: Annotated[int, _INDEX, BINDS] = 0
+    limit: Annotated[int, _COUNT] = 1000
+    max_tokens: Annotated[int, _typed(int, minimum=8, maximum=2**31 - 1), BINDS] = 2048
+    # "target": the target writes every assistant turn itself
+    responses: Annotated[str, _typed(str, choices=RESPONSES), BINDS] = "dataset"
+    planner_max_restarts: Annotated[int, _NONNEG_INT] = 2
+    # extraction over this many nodes (statemachine/shards.py)
+    shards: Annotated[int, _typed(int, minimum=1, maximum=4096)] = 1
+    shard: Annotated[int, _NONNEG_INT] = 0  # this node's share, or from the variable named below
+    shard_from_env: Annotated[str, _STR] = ""  # e.g. "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"
+    source_path: Path = Path()
+
+
+class GenerateConfig(NamedTuple):
+    max_new_tokens: Annotated[int, _TOKENS, GENERATED] = 512  # per assistant turn
+    # assistant turns per conversation; 0: one per user turn
+    max_turns: Annotated[int, _NONNEG_INT, GENERATED] = 0
+    temperature: Annotated[float, _typed(float, minimum=0.0), GENERATED] = 0.0  # 0: greedy
+    top_p: Annotated[float, _typed(float, minimum=1e-6, maximum=1.0), GENERATED] = 1.0
+    seed: Annotated[int, _SEED, GENERATED] = 0
+    # answers written per conversation (sampled: temperature above 0); left out of the contract
+    # at 1, so the datasets written before it keep their key
+    answers: Annotated[int, _typed(int, minimum=1, maximum=64),
+                       Binds(generated=True, left_out_at=1)] = 1
+    batch_size: Annotated[int, _typed(int, minimum=1, maximum=4096)] = 32  # generated together
+    max_attempts: Annotated[int, _POS_INT] = 3
+    max_restarts: Annotated[int, _NONNEG_INT] = 5  # of the generator (and its SGLang server)
+
+
+class PathsConfig(NamedTuple):
+    state_dir: Annotated[Path, InFolder(_dir)]
+    spool_dir: Annotated[Path, InFolder(_dir)]
+    dataset_dir: Annotated[Path, InFolder(_dir)]
+    train_dir: Annotated[Path, InFolder(_dir)]
+
+
+class BudgetConfig(NamedTuple):
+    reserve: Annotated[int, parse_size] = 10 * 1024**3
+    spool_max: Annotated[int, parse_size] = 8 * 1024**3
+
+
+class ExtractConfig(NamedTuple):
+    # left out of a config: the [target] dtype (see parse_config)
+    dump_dtype: Annotated[str, _typed(str, choices=DUMP_DTYPES), BINDS] = "bfloat16"
+    batch_tokens: Annotated[int, _TOKENS] = 8192
+    max_inflight_tokens: Annotated[int, _TOKENS] = 65536
+    max_inflight_samples: Annotated[int, _POS_INT] = 256
+    inflight_timeout_s: Annotated[float, _SECONDS] = 900.0
+    max_attempts: Annotated[int, _POS_INT] = 3
+    engine_max_restarts: Annotated[int, _NONNEG_INT] = 5
+    # SIGTERM to SIGKILL, for every child holding the target
+    engine_stop_grace_s: Annotated[float, _GRACE] = 30.0
+    # no progress from a running engine or generator: restarted
+    engine_silence_s: Annotated[float, _SECONDS] = 900.0
+    ingest_threads: Annotated[int, _typed(int, minimum=1, maximum=64)] = 4
+    rescan_interval_s: Annotated[float, _SECONDS] = 5.0
+
+
+class VerifyConfig(NamedTuple):
+    workers: Annotated[int, _typed(int, minimum=1, maximum=256)] = 2
+    spot_checks: Annotated[int, _NONNEG_INT] = 3
+    spot_tolerance: Annotated[float, _POS_FLOAT] = 0.05  # docs/operations.md: how it was measured
+
+
+class TrainConfig(NamedTuple):
+    nproc: Annotated[int, _typed(int, minimum=1, maximum=1024)] = 1  # per node
+    nnodes: Annotated[int, _typed(int, minimum=1, maximum=1024)] = 1
+    # node 0 runs the daemon; nodes 1.. run `eagle3d train-node`
+    node_rank: Annotated[int, _NONNEG_INT] = 0
+    # node 0's HOST:PORT, where torchrun's nodes meet; nnodes > 1 only
+    rendezvous: Annotated[str, _rendezvous] = ""
+    device: Annotated[str, _DEVICE] = "auto"
+    draft_vocab: Annotated[int, _POS_INT] = 32000
+    intermediate_size: Annotated[int, _NONNEG_INT] = 0  # the drafter's MLP width; 0: the target's
+    ttt_steps: Annotated[int, _typed(int, minimum=1, maximum=32)] = 7
+    loss_on: Annotated[str, _typed(str, choices=LOSS_ON)] = "answers"
+    epochs: Annotated[float, _typed(float, minimum=1e-9, maximum=1e6)] = 1.0
+    max_steps: Annotated[int, _NONNEG_INT] = 0  # 0: as many as the epochs need
+    batch_tokens: Annotated[int, _TOKENS] = 4096
+    lr: Annotated[float, _POS_FLOAT] = 1e-4
+    warmup_steps: Annotated[int, _NONNEG_INT] = 50
+    weight_decay: Annotated[float, _typed(float, minimum=0.0)] = 0.0
+    grad_clip: Annotated[float, _typed(float, minimum=0.0)] = 0.5
+    checkpoint_every: Annotated[int, _POS_INT] = 200
+    max_restarts: Annotated[int, _NONNEG_INT] = 3
+    # SIGTERM to SIGKILL: the trainer checkpoints in between
+    stop_grace_s: Annotated[float, _GRACE] = 60.0
+    # no progress from a training trainer (a checkpoint fits): restarted
+    silence_s: Annotated[float, _SECONDS] = 1800.0
+    seed: Annotated[int, _SEED] = 0
+    threads: Annotated[int, _NONNEG_INT] = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
+    # where the curves go besides metrics.jsonl and metrics.png
+    report_to: Annotated[str, _typed(str, choices=REPORT_TO)] = ""
+
+
+class EvalConfig(NamedTuple):
+    source: Annotated[str, _STR] = ""  # empty: the data source
+    first: Annotated[int, _INDEX] = 0
+    limit: Annotated[int, _COUNT] = 20
+    steps: Annotated[int, _typed(int, minimum=1, maximum=16)] = 5
+    max_new_tokens: Annotated[int, _TOKENS] = 64
+    batch_size: Annotated[int, _POS_INT] = 32  # prompts decoded together
+    source_path: Path = Path()
+
+
+class SGLangConfig(NamedTuple):
+    python: Annotated[str, _STR] = "python3"
+    tp: Annotated[int, _typed(int, minimum=1, maximum=64)] = 1
+    host: Annotated[str, _STR] = "127.0.0.1"
+    port: Annotated[int, _typed(int, minimum=1, maximum=65535)] = 30000
+    mem_fraction: Annotated[float, _typed(float, minimum=0.05, maximum=0.99)] = 0.85
+    startup_timeout_s: Annotated[float, _SECONDS] = 1800.0
+    extra_args: Annotated[tuple[str, ...], _str_list] = ()
+
+
+class MetricsConfig(NamedTuple):
+    # node_exporter's textfile collector reads it; empty: none written
+    textfile: Annotated[str, InFolder(_textfile)] = ""
+
+
+class Config(NamedTuple):
+    path: Path
+    target: TargetConfig
+    data: DataConfig
+    paths: PathsConfig
+    budget: BudgetConfig = BudgetConfig()
+    extract: ExtractConfig = ExtractConfig()
+    verify: VerifyConfig = VerifyConfig()
+    generate: GenerateConfig = GenerateConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    sglang: SGLangConfig = SGLangConfig()
+    metrics: MetricsConfig = MetricsConfig()
+
+    @property
+    def shard(self) -> shards.Shard:
+        return shards.Shard(self.data.shard, self.data.shards)
+
+    def contract_keys(self) -> dict[str, Any]:
+        """What a dataset is bound to: change one of these and the old dumps no longer fit. The
+        keys the schema marks (Binds), by their bare names; the generated ones only where the
+        target writes the answers, for what it writes depends on them too."""
+        keys = {}
+        for section, key in contract_fields():
+            if key.binds.generated and self.data.responses != "target":
+                continue
+            value = getattr(getattr(self, section), key.name)
+            if value != key.binds.left_out_at:
+                keys[key.name] = as_written(value)
+        return keys
+
+    def generate_keys(self) -> dict[str, Any]:
+        """The [generate] settings that decide what the target writes, as the contract keys
+        name them; empty where the dataset's answers are used."""
+        generated = {key.name for _, key in contract_fields() if key.binds.generated}
+        return {k: v for k, v in self.contract_keys().items() if k in generated}
+
+
+@functools.cache
+def section_classes() -> dict[str, type]:
+    """Section name -> its class, in the order of Config."""
+    return {name: Config.__annotations__[name] for name in Config._fields[1:]}
+
+
+@functools.cache
+def keys_of(cls: type) -> dict[str, Key]:
+    """The keys an operator can write in a section: its fields that name a converter."""
+    keys = {}
+    for name, hint in cls.__annotations__.items():
+        if get_origin(hint) is not Annotated:
+            continue  # derived while validating
+        meta = hint.__metadata__
+        convert = meta[0].convert if isinstance(meta[0], InFolder) else \
+            (lambda value, base, read=meta[0]: read(value))
+        binds = next((m for m in meta[1:] if isinstance(m, Binds)), None)
+        keys[name] = Key(name, convert, cls._field_defaults.get(name),
+                         name not in cls._field_defaults, binds)
+    return keys
+
+
+@functools.cache
+def contract_fields() -> tuple[tuple[str, Key], ...]:
+    """(section, key) of every key the capture contract binds."""
+    return tuple((section, key) for section, cls in section_classes().items()
+                 for key in keys_of(cls).values() if key.binds is not None)
+
+
+# Fields computed from others while validating: not part of what an operator writes.
+DERIVED = tuple(sorted({f for cls in section_classes().values() for f in cls._fields
+                        if f not in keys_of(cls)}))
+
+
+def as_written(value: Any) -> Any:
+    """A value as TOML and JSON write it: a path as text, a tuple as a list, and None (only
+    [target] aux_layers may be None) as its spelling, "default"."""
+    if value is None:
+        return "default"
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+# ---- validation -------------------------------------------------------------------------------
+
+class _Checker:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def fail(self, key: str, what: str) -> ConfigError:
+        return ConfigError(f"{self.path}: [{key}] {what}")
+
+    def section(self, raw: dict, name: str, required: bool = False) -> dict:
+        value = raw.get(name, None)
+        if value is None:
+            if required:
+                raise ConfigError(f"{self.path}: missing section [{name}]")
+            return {}
+        if not isinstance(value, dict):
+            raise ConfigError(f"{self.path}: {name} must be a [{name}] table")
+        return value
+
+    def build(self, raw: dict, section: str, base: Path) -> Any:
+        """The section as the schema reads it (keys_of): every key converted, the missing ones
+        their defaults."""
+        cls = section_classes()[section]
+        keys = keys_of(cls)
+        values = self.section(raw, section, any(k.required for k in keys.values()))
+        kwargs: dict[str, Any] = {}
+        for name, value in values.items():
+            if name not in keys:
+                known = ", ".join(sorted(keys))
+                raise self.fail(f"{section}.{name}", f"unknown key (known keys: {known})")
+            try:
+                kwargs[name] = keys[name].convert(value, base)
+            except (TypeError, ValueError, OverflowError, OSError) as exc:
+                raise self.fail(f"{section}.{name}", str(exc)) from None
+        missing = [k.name for k in keys.values() if k.required and k.name not in kwargs]
+        if missing:
+            raise self.fail(f"{section}.{missing[0]}", "is required")
+        return cls(**kwargs)
+
+
+def load_config(path: str | os.PathLike) -> Config:
+    """Read and validate a config file. Raises ConfigError with one clear message."""
+    path = Path(path).absolute()
+    try:
+        text = _read_config(path).decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, [[[[…
+        raise ConfigError(f"{path}: not a config tomllib can read: {exc}") from None
+    return parse_config(raw, path)
+
+
+def _read_config(path: Path) -> bytes:
+    """The file's bytes, where it is a regular file of a config's size: a FIFO would stall the
+    daemon's reload, a device or a huge file flood its memory."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = os.read(fd, MAX_CONFIG_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise OSError(f"larger than {MAX_CONFIG_BYTES} bytes: not a config")
+    return data
+
+
+def parse_config(raw: dict, path: Path) -> Config:
+    """The config of a TOML document read from `path`: each section as the schema reads it,
+    in order, each followed by its locations resolved and the checks that span keys (the first
+    problem met is the one named)."""
+    chk = _Checker(path)
+    base = path.parent
+    for key in raw:
+        if key not in section_classes():
+            raise ConfigError(f"{path}: unknown section or key [{key}] "
+                              f"(known sections: {', '.join(sorted(section_classes()))})")
+
+    def build(section: str) -> Any:
+        return chk.build(raw, section, base)
+
+    target = build("target")
+    model_path = _existing(chk, "target.model", target.model, base, remote_ok=True)
+    target = target._replace(model=_spelled(target.model, model_path), model_path=model_path)
+    data = build("data")
+    source_path = _existing(chk, "data.source", data.source, base)
+    data = data._replace(source=_spelled(data.source, source_path), source_path=source_path)
+    paths = build("paths")
+    _check_paths_apart(chk, paths)
+    data, paths = _shard(chk, data, paths, "shard" in chk.section(raw, "data"))
+    budget = build("budget")
+    if budget.spool_max == 0:
+        raise chk.fail("budget.spool_max", "must be larger than 0")
+    extract = _extract(chk, build("extract"), "dump_dtype" in chk.section(raw, "extract"),
+                       target, data)
+    verify, generate = build("verify"), build("generate")
+    _check_answers(chk, data, generate)
+    train = build("train")
+    _check_train(chk, train, extract)
+    ev = build("eval")
+    eval_path = _existing(chk, "eval.source", ev.source or data.source, base)
+    ev = ev._replace(source=_spelled(ev.source or data.source, eval_path), source_path=eval_path)
+    return Config(path, target, data, paths, budget, extract, verify, generate, train, ev,
+                  build("sglang"), build("metrics"))
+
+
+def _extract(chk: _Checker, extract: ExtractConfig, dump_dtype_written: bool,
+             target: TargetConfig, data: DataConfig) -> ExtractConfig:
+    if not dump_dtype_written:
+        # Left out, the states are stored as the target computes them (etc/eagle3d.toml).
+        extract = extract._replace(dump_dtype=target.dtype)
+    if extract.max_inflight_tokens < data.max_tokens:
+        raise chk.fail("extract.max_inflight_tokens",
+                       f"must be at least [data] max_tokens ({data.max_tokens}), or the longest "
+                       "samples could never be dispatched")
+    return extract
+
+
+def _check_train(chk: _Checker, train: TrainConfig, extract: ExtractConfig) -> None:
+    if train.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
+        raise chk.fail("train.report_to", "needs the tensorboard package in eagle3d's "
+                       "environment: pip install 'eagle3d[tensorboard]'")
+    _check_nodes(chk, train)
+    _check_stop_graces(chk, extract, train)
+
+
+def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool = False) -> Path:
+    try:
+        return _existing_path(chk, key, value, base, remote_ok)
+    except ConfigError:
+        raise
+    except (ValueError, OSError) as exc:  # a name too long, a NUL byte: the path itself is bad
+        raise chk.fail(key, str(exc)) from None
+
+
+def _existing_path(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool) -> Path:
+    resolved = resolve_location(value, base)
+    if not resolved.exists():
+        if remote_ok and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
+            return _hub_snapshot(chk, key, value)
+        raise chk.fail(key, f"{value!r} does not exist (resolved to {resolved})")
+    return resolved.resolve()
+
+
+def _hub_snapshot(chk: _Checker, key: str, name: str) -> Path:
+    """A hub name (org/model) as the folder of its main revision in the local Hugging Face
+    cache: the capture contract then names the revision and fingerprints its weights. A name
+    the cache does not hold is refused: there are no weights to fingerprint, and every such
+    name would fingerprint alike."""
+    cache = Path(os.environ.get("HF_HUB_CACHE") or Path(
+        os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")
+    repo = cache / f"models--{name.replace('/', '--')}"
+    try:
+        revision = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        revision = ""
+    snapshot = repo / "snapshots" / revision
+    if not revision or not snapshot.is_dir():
+        raise chk.fail(key, f"{name!r} is no local path, and the Hugging Face cache ({cache}) "
+                       f"holds no snapshot of it: download it first (huggingface-cli download "
+                       f"{name}), or name the model's folder")
+    return snapshot.resolve()
+
+
+def _spelled(value: str, resolved: Path) -> str:
+    """The spelling a location keeps in the config in force: a relative path or a hub name
+    becomes absolute (a hub name its cached snapshot, which names the revision), so that the
+    copy the daemon writes into its state folder names the same files; package (`pkg:`) names
+    stay as written."""
+    if value.startswith("pkg:") or Path(os.path.expanduser(value)).is_absolute() or \
+            not resolved.is_absolute():
+        return value
+    return str(resolved)
 
 
 def _check_nodes(chk: _Checker, train: TrainConfig) -> None:
@@ -545,231 +718,3 @@ def _check_stop_graces(chk: _Checker, extract: ExtractConfig, train: TrainConfig
                        f"of {need:.0f} s (twice the engine's grace, the trainer's and "
                        f"{PLANNER_STOP_GRACE_S:.0f} s for the planner), over the daemon's stop "
                        f"budget of {STOP_BUDGET_S:.0f} s inside the unit's TimeoutStopSec")
-
-
-_POS_INT = _typed(int, minimum=1)
-_NONNEG_INT = _typed(int, minimum=0)
-_POS_FLOAT = _typed(float, minimum=1e-9)
-_STR = _typed(str)
-_GRACE = _typed(float, minimum=1.0, maximum=STOP_BUDGET_S)
-# Sane maxima where a number feeds arithmetic: a ledger row's index is a source index times
-# [generate] answers (at most 64) and stays an SQLite integer; token ids and counts are int32;
-# a wait longer than a week is a typo (and past ~2^31 s time.sleep raises); numpy seeds are
-# 32-bit.
-_INDEX = _typed(int, minimum=0, maximum=2**48)
-_COUNT = _typed(int, minimum=1, maximum=2**48)
-_TOKENS = _typed(int, minimum=1, maximum=2**31 - 1)
-_SECONDS = _typed(float, minimum=1e-9, maximum=7 * 86400.0)
-_SEED = _typed(int, minimum=0, maximum=2**32 - 1)
-
-
-def load_config(path: str | os.PathLike) -> Config:
-    """Read and validate a config file. Raises ConfigError with one clear message."""
-    path = Path(path).absolute()
-    try:
-        text = _read_config(path).decode("utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: no such config file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read the config file: {exc}") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: TOML syntax error: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, [[[[…
-        raise ConfigError(f"{path}: not a config tomllib can read: {exc}") from None
-    return parse_config(raw, path)
-
-
-def _read_config(path: Path) -> bytes:
-    """The file's bytes, where it is a regular file of a config's size: a FIFO would stall the
-    daemon's reload, a device or a huge file flood its memory."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        data = os.read(fd, MAX_CONFIG_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_CONFIG_BYTES:
-        raise OSError(f"larger than {MAX_CONFIG_BYTES} bytes: not a config")
-    return data
-
-
-def parse_config(raw: dict, path: Path) -> Config:
-    chk = _Checker(path)
-    base = path.parent
-    known = {"target", "data", "paths", "budget", "extract", "verify", "generate", "train", "eval",
-             "sglang", "metrics"}
-    for key in raw:
-        if key not in known:
-            raise ConfigError(f"{path}: unknown section or key [{key}] "
-                              f"(known sections: {', '.join(sorted(known))})")
-
-    target = chk.build(TargetConfig, "target", chk.section(raw, "target", True), {
-        "model": _STR, "engine": _typed(str, choices=ENGINES), "dtype": _typed(str, choices=DTYPES),
-        "aux_layers": _aux_layers, "device": _typed(str, choices=("auto", "cpu", "cuda"))})
-    model_path = _existing(chk, "target.model", target.model, base, remote_ok=True)
-    target = target._replace(model=_spelled(target.model, model_path), model_path=model_path)
-
-    data = chk.build(DataConfig, "data", chk.section(raw, "data", True), {
-        "source": _STR, "format": _typed(str, choices=FORMATS), "first": _INDEX,
-        "limit": _COUNT, "max_tokens": _typed(int, minimum=8, maximum=2**31 - 1),
-        "responses": _typed(str, choices=RESPONSES), "planner_max_restarts": _NONNEG_INT,
-        "shards": _typed(int, minimum=1, maximum=4096), "shard": _NONNEG_INT,
-        "shard_from_env": _typed(str)})
-    source_path = _existing(chk, "data.source", data.source, base)
-    data = data._replace(source=_spelled(data.source, source_path), source_path=source_path)
-
-    paths_raw = chk.section(raw, "paths", True)
-    paths = chk.build(PathsConfig, "paths", paths_raw, {
-        k: (lambda v, k=k: _dir(chk, f"paths.{k}", v, base))
-        for k in ("state_dir", "spool_dir", "dataset_dir", "train_dir")})
-
-    _check_paths_apart(chk, paths)
-    data, paths = _shard(chk, data, paths, "shard" in chk.section(raw, "data", True))
-
-    budget = chk.build(BudgetConfig, "budget", chk.section(raw, "budget"),
-                       {"reserve": _size, "spool_max": _size})
-    if budget.spool_max == 0:
-        raise chk.fail("budget.spool_max", "must be larger than 0")
-
-    extract_raw = chk.section(raw, "extract")
-    extract = chk.build(ExtractConfig, "extract", extract_raw, {
-        "dump_dtype": _typed(str, choices=DUMP_DTYPES), "batch_tokens": _TOKENS,
-        "max_inflight_tokens": _TOKENS, "max_inflight_samples": _POS_INT,
-        "inflight_timeout_s": _SECONDS, "max_attempts": _POS_INT,
-        "engine_max_restarts": _NONNEG_INT, "engine_stop_grace_s": _GRACE,
-        "engine_silence_s": _SECONDS, "ingest_threads": _typed(int, minimum=1, maximum=64),
-        "rescan_interval_s": _SECONDS})
-    if "dump_dtype" not in extract_raw:
-        # Configs from before dump precisions: the states are stored as the target computes them.
-        extract = extract._replace(dump_dtype=target.dtype)
-    if extract.max_inflight_tokens < data.max_tokens:
-        raise chk.fail("extract.max_inflight_tokens",
-                       f"must be at least [data] max_tokens ({data.max_tokens}), or the longest "
-                       "samples could never be dispatched")
-
-    verify = chk.build(VerifyConfig, "verify", chk.section(raw, "verify"), {
-        "workers": _typed(int, minimum=1, maximum=256), "spot_checks": _NONNEG_INT,
-        "spot_tolerance": _POS_FLOAT})
-
-    generate = chk.build(GenerateConfig, "generate", chk.section(raw, "generate"), {
-        "max_new_tokens": _TOKENS, "max_turns": _NONNEG_INT, "temperature": _typed(float, minimum=0.0),
-        "top_p": _typed(float, minimum=1e-6, maximum=1.0), "seed": _SEED,
-        "answers": _typed(int, minimum=1, maximum=64),
-        "batch_size": _typed(int, minimum=1, maximum=4096), "max_attempts": _POS_INT,
-        "max_restarts": _NONNEG_INT})
-    _check_answers(chk, data, generate)
-
-    train = chk.build(TrainConfig, "train", chk.section(raw, "train"), {
-        "nproc": _typed(int, minimum=1, maximum=1024),
-        "nnodes": _typed(int, minimum=1, maximum=1024), "node_rank": _NONNEG_INT,
-        "rendezvous": _rendezvous,
-        "device": _typed(str, choices=("auto", "cpu", "cuda")), "draft_vocab": _POS_INT,
-        "intermediate_size": _NONNEG_INT, "ttt_steps": _typed(int, minimum=1, maximum=32),
-        "loss_on": _typed(str, choices=LOSS_ON), "epochs": _typed(float, minimum=1e-9, maximum=1e6),
-        "max_steps": _NONNEG_INT, "batch_tokens": _TOKENS, "lr": _POS_FLOAT,
-        "warmup_steps": _NONNEG_INT, "weight_decay": _typed(float, minimum=0.0),
-        "grad_clip": _typed(float, minimum=0.0), "checkpoint_every": _POS_INT,
-        "max_restarts": _NONNEG_INT, "stop_grace_s": _GRACE, "silence_s": _SECONDS, "seed": _SEED,
-        "threads": _NONNEG_INT, "report_to": _typed(str, choices=REPORT_TO)})
-    if train.report_to == "tensorboard" and importlib.util.find_spec("tensorboard") is None:
-        raise chk.fail("train.report_to", "needs the tensorboard package in eagle3d's "
-                       "environment: pip install 'eagle3d[tensorboard]'")
-    _check_nodes(chk, train)
-    _check_stop_graces(chk, extract, train)
-
-    ev = chk.build(EvalConfig, "eval", chk.section(raw, "eval"), {
-        "source": _STR, "first": _INDEX, "limit": _COUNT,
-        "steps": _typed(int, minimum=1, maximum=16), "max_new_tokens": _TOKENS,
-        "batch_size": _POS_INT})
-    eval_path = _existing(chk, "eval.source", ev.source or data.source, base)
-    ev = ev._replace(source=_spelled(ev.source or data.source, eval_path), source_path=eval_path)
-
-    sglang = chk.build(SGLangConfig, "sglang", chk.section(raw, "sglang"), {
-        "python": _STR, "tp": _typed(int, minimum=1, maximum=64), "host": _STR,
-        "port": _typed(int, minimum=1, maximum=65535),
-        "mem_fraction": _typed(float, minimum=0.05, maximum=0.99),
-        "startup_timeout_s": _SECONDS, "extra_args": _str_list})
-
-    metrics = chk.build(MetricsConfig, "metrics", chk.section(raw, "metrics"),
-                        {"textfile": lambda v: _textfile(v, base)})
-
-    return Config(path=path, target=target, data=data, paths=paths, budget=budget,
-                  extract=extract, verify=verify, generate=generate, train=train, eval=ev,
-                  sglang=sglang, metrics=metrics)
-
-
-def _existing(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool = False) -> Path:
-    try:
-        return _existing_path(chk, key, value, base, remote_ok)
-    except ConfigError:
-        raise
-    except (ValueError, OSError) as exc:  # a name too long, a NUL byte: the path itself is bad
-        raise chk.fail(key, str(exc)) from None
-
-
-def _existing_path(chk: _Checker, key: str, value: str, base: Path, remote_ok: bool) -> Path:
-    resolved = resolve_location(value, base)
-    if not resolved.exists():
-        if remote_ok and re.fullmatch(r"[\w.-]+/[\w.-]+", value) and not value.startswith("."):
-            return _hub_snapshot(chk, key, value)
-        raise chk.fail(key, f"{value!r} does not exist (resolved to {resolved})")
-    return resolved.resolve()
-
-
-def _hub_snapshot(chk: _Checker, key: str, name: str) -> Path:
-    """A hub name (org/model) as the folder of its main revision in the local Hugging Face
-    cache: the capture contract then names the revision and fingerprints its weights. A name
-    the cache does not hold is refused: there are no weights to fingerprint, and every such
-    name would fingerprint alike."""
-    cache = Path(os.environ.get("HF_HUB_CACHE") or Path(
-        os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface") / "hub")
-    repo = cache / f"models--{name.replace('/', '--')}"
-    try:
-        revision = (repo / "refs" / "main").read_text().strip()
-    except OSError:
-        revision = ""
-    snapshot = repo / "snapshots" / revision
-    if not revision or not snapshot.is_dir():
-        raise chk.fail(key, f"{name!r} is no local path, and the Hugging Face cache ({cache}) "
-                       f"holds no snapshot of it: download it first (huggingface-cli download "
-                       f"{name}), or name the model's folder")
-    return snapshot.resolve()
-
-
-def _spelled(value: str, resolved: Path) -> str:
-    """The spelling a location keeps in the config in force: a relative path or a hub name
-    becomes absolute (a hub name its cached snapshot, which names the revision), so that the
-    copy the daemon writes into its state folder names the same files; package (`pkg:`) names
-    stay as written."""
-    if value.startswith("pkg:") or Path(os.path.expanduser(value)).is_absolute() or \
-            not resolved.is_absolute():
-        return value
-    return str(resolved)
-
-
-def _textfile(value: Any, base: Path) -> str:
-    """The metrics file: node_exporter's textfile collector reads only names ending in .prom,
-    so any other name would be written and never scraped. Its folder is looked for at each
-    write, not here: a host without node_exporter yet still runs (status says why nothing is
-    written)."""
-    if not isinstance(value, str):
-        raise TypeError(f"expected a file path, got {value!r}")
-    if value and not value.endswith(".prom"):
-        raise ValueError(f"node_exporter reads only files named *.prom, got {value!r}")
-    return str(resolve_location(value, base)) if value else ""
-
-
-def _dir(chk: _Checker, key: str, value: Any, base: Path) -> Path:
-    if not isinstance(value, str) or not value:
-        raise TypeError(f"expected a folder path, got {value!r}")
-    _no_nul(value)
-    resolved = resolve_location(value, base)
-    anchor = resolved
-    while not anchor.exists():
-        anchor = anchor.parent
-    if not anchor.is_dir():
-        raise ValueError(f"{value!r} cannot be created: {anchor} is not a folder")
-    return Path(os.path.normpath(resolved.absolute()))

@@ -182,7 +182,8 @@ def test_the_engine_command_eagle3ctl_prints_runs(config_factory):
     its input."""
     from eagle3d.daemon.reconcile import prepare_dirs
     from eagle3d.dataset import contract
-    from eagle3d.statemachine.config import load_config, write_in_force
+    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_in_force import write_in_force
     config = config_factory()
     cfg = load_config(config)
     prepare_dirs(cfg)
@@ -201,7 +202,8 @@ def test_eagle3ctl_shows_the_config_in_force_not_an_edit_the_daemon_refused(conf
     command eagle3ctl shows is the one the daemon would run, while check-config still checks
     the operator's edited file."""
     from eagle3d.dataset import contract
-    from eagle3d.statemachine.config import load_config, write_in_force
+    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_in_force import write_in_force
     config = config_factory({"target": {"engine": "sglang"}, "sglang": {"mem_fraction": 0.5}})
     cfg = load_config(config)
     cfg.paths.dataset_dir.mkdir(parents=True)

@@ -132,10 +132,12 @@ def hostile_files(folder: Path, good: str) -> dict[str, Path]:
 
 
 def messages_source_config(config_factory: Any, tmp_path: Path) -> Path:
+    import psutil
     source = write_conversations(tmp_path / "conv.jsonl", 12)
-    # A reserve no disk holds: the daemon plans, then waits on the budget with no engine.
+    # A reserve the disk never has free: the daemon plans, then waits on the budget, no engine.
+    almost_all = psutil.disk_usage(str(tmp_path)).total - 2**20
     return config_factory({"data": {"source": str(source), "format": "messages", "limit": 12},
-                           "budget": {"reserve": "500TiB"}})
+                           "budget": {"reserve": almost_all}})
 
 
 def test_every_hostile_file_is_a_config_error_naming_it(config_factory, tmp_path):

@@ -6,33 +6,19 @@ from __future__ import annotations
 
 import re
 import tomllib
-import typing
 from pathlib import Path
 
 import pytest
 
-from eagle3d.statemachine.config import Config, load_config, parse_size
+from eagle3d.statemachine.config import Key, keys_of, load_config, parse_size, section_classes
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "etc" / "eagle3d.toml"
 
 
-class Field(typing.NamedTuple):
-    name: str
-    default: object
-    required: bool
-
-
-def settable_fields() -> dict[str, list[Field]]:
-    """Section name -> the keys an operator can set (derived paths such as model_path are not)."""
-    hints = typing.get_type_hints(Config)
-    sections = {}
-    for name, cls in hints.items():
-        if not hasattr(cls, "_fields"):
-            continue
-        defaults = cls._field_defaults
-        sections[name] = [Field(f, defaults.get(f), f not in defaults) for f in cls._fields
-                          if not isinstance(defaults.get(f), Path)]
-    return sections
+def settable_fields() -> dict[str, list[Key]]:
+    """Section name -> the keys an operator can set, as the schema declares them (derived paths
+    such as model_path are not)."""
+    return {name: list(keys_of(cls).values()) for name, cls in section_classes().items()}
 
 
 def key_docs(text: str) -> dict[tuple[str, str], str]:
@@ -52,7 +38,7 @@ def key_docs(text: str) -> dict[tuple[str, str], str]:
     return docs
 
 
-def documented_default(doc: str, field: Field, section: str) -> object:
+def documented_default(doc: str, field: Key, section: str) -> object:
     if m := re.search(r"Default: as \[(\w+)\] (\w+)\.(?:\s|$)", doc):
         # A default that follows another key: the code's default must equal that key's.
         other = {f.name: f for f in settable_fields()[m.group(1)]}[m.group(2)]
@@ -90,6 +76,17 @@ def test_every_key_is_set_and_documented_with_the_default_the_code_uses():
                 continue
             assert documented_default(doc, field, section) == default, \
                 f"{key}: the documented default differs from statemachine/config.py"
+
+
+def test_the_template_names_the_contract_keys_the_schema_marks():
+    """A key marked "Contract." in the template is one the schema binds (Binds): an edit of it
+    starts a new run, and the operator reads so where the key is explained."""
+    docs = key_docs(TEMPLATE.read_text())
+    for section, fields in settable_fields().items():
+        for field in fields:
+            documented = bool(re.search(r"\bContract\b", docs[(section, field.name)]))
+            assert documented == (field.binds is not None), \
+                f"[{section}] {field.name}: 'Contract.' in the template and the schema disagree"
 
 
 @pytest.fixture
