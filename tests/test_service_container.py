@@ -188,15 +188,23 @@ def test_status_as_operator_in_the_group_and_not_as_a_stranger(service: Containe
 
 def test_reload_switches_runs_refuses_an_invalid_file_and_switches_back(service: Container):
     first = status(service)["run"]["id"]
-    write(service, CONFIG, service_config(FIRST_LIMIT, extract={"dump_dtype": "float16"}),
+    # A switch whose stop outlasts the watchdog (issue 52 item 7): every child of the daemon
+    # frozen, so each takes its whole grace, 25 s, against the drop-in's WatchdogSec=10s.
+    write(service, CONFIG, service_config(FIRST_LIMIT, extract={"dump_dtype": "float16",
+                                                                "engine_stop_grace_s": 25}),
           mode="0640", group="eagle3d")
+    before = show(service, "MainPID", "NRestarts")
+    wait_for("a child at work", lambda: service.sh(f"pgrep -P {before['MainPID']}",
+                                                   check=False).returncode == 0, 120, service)
+    service.sh(f"pkill -STOP -P {before['MainPID']}")
     # systemd 252 returns from `reload` once the signal is sent (it waits for the daemon's
     # READY=1 only from 253, with Type=notify-reload): the verdict comes a tick later.
     service.sh("systemctl reload eagle3d")
     st = wait_for("the switch", lambda: (lambda s: s if s["run"].get("id") not in (None, first)
                                          else None)(status(service)), 120, service)
     assert st["run"]["switched"].startswith(f"{first} set aside, ")
-    assert show(service, "ActiveState")["ActiveState"] == "active"
+    assert show(service, "ActiveState", "MainPID", "NRestarts") == {"ActiveState": "active",
+                                                                    **before}
 
     write(service, CONFIG, service_config(FIRST_LIMIT, extract={"batch_tokens": 0}),
           mode="0640", group="eagle3d")
