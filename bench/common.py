@@ -26,6 +26,7 @@ from eagle3d.daemon.ingest import Ingestor, Outcome
 from eagle3d.statemachine import digests
 from eagle3d.statemachine.config import ExtractConfig
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
+from eagle3d.statemachine.safepath import HeldDir
 
 HIDDEN = 4096
 FINGERPRINT = "0123456789abcdef0123456789abcdef"
@@ -174,9 +175,10 @@ class IngestRig:
         ledgers = [Ledger(self.ledger_path) for _ in range(threads)]
         failures: list[Outcome | BaseException] = []
         group_sync = GroupSync(self.dataset)
+        spool = HeldDir.open(self.spool)  # as the daemon holds it: opened once, by handle
 
         def work(ledger: Ledger) -> None:
-            ingestor = Ingestor(ledger, self.spool, self.dataset, CONTRACT, max_attempts=3,
+            ingestor = Ingestor(ledger, spool, self.dataset, CONTRACT, max_attempts=3,
                                 group_sync=group_sync)
             try:
                 while True:
@@ -200,6 +202,7 @@ class IngestRig:
         self.syncs = group_sync.syncs
         for lg in ledgers:
             lg.close()
+        spool.close()
         if failures:
             raise RuntimeError(f"ingest of the bench dumps failed: {failures[:3]}")
         return seconds

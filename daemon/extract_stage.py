@@ -139,6 +139,7 @@ class ExtractStage:
         problem = safepath.folder_problem(spool, 0o700)
         if problem is not None:
             return f"spool: {spool} was removed and cannot be made again: {problem}"
+        self._let_go_of_spool()  # it holds the removed folder: the next step holds the new one
         held = self.ledger.expired_inflight(float("inf"))
         self.ledger.release(held, f"the spool {spool} was removed under the daemon")
         log.warning("the spool %s was removed under the daemon: made again, %d in-flight "
@@ -303,6 +304,16 @@ class ExtractStage:
 
     # ---- ingest ---------------------------------------------------------------------------
 
+    def _let_go_of_spool(self) -> None:
+        """End the ingest threads and the watch of a spool folder that is gone."""
+        if self.spool is None:
+            return
+        self.stopping = True
+        for thread in self.ingest_threads:
+            thread.join(timeout=5.0)
+        self.spool.stop()
+        self.spool, self.ingest_threads, self.stopping = None, [], False
+
     def _ensure_ingest(self) -> None:
         if self.spool is not None or self.contract is None:
             return
@@ -315,18 +326,20 @@ class ExtractStage:
             return
         self.spool_refused = None
         for i in range(self.cfg.extract.ingest_threads):
-            thread = threading.Thread(target=self._ingest_loop, name=f"ingest-{i}", daemon=True)
+            thread = threading.Thread(target=self._ingest_loop, args=(self.spool,),
+                                      name=f"ingest-{i}", daemon=True)
             thread.start()
             self.ingest_threads.append(thread)
 
-    def _ingest_loop(self) -> None:
-        assert self.spool is not None and self.contract is not None
+    def _ingest_loop(self, spool: Spool) -> None:
+        """Ingest what `spool` is given, until the stage stops or lets go of this spool."""
+        assert self.contract is not None
         ledger = Ledger(layout.ledger(self.cfg.paths.state_dir))
-        ingestor = Ingestor(ledger, self.spool.dir, self.cfg.paths.dataset_dir,
+        ingestor = Ingestor(ledger, spool.dir, self.cfg.paths.dataset_dir,
                             self.contract, self.cfg.extract.max_attempts, self.group_sync)
         try:
-            while not (self.stopping and self.spool.idle):
-                name = self.spool.take(0.2)
+            while self.spool is spool and not (self.stopping and spool.idle):
+                name = spool.take(0.2)
                 if name is None:
                     continue
                 try:
@@ -344,7 +357,7 @@ class ExtractStage:
                     log.exception("ingest of %s failed; it stays in the spool", name)
                     time.sleep(1.0)
                 finally:
-                    self.spool.done(name)
+                    spool.done(name)
         finally:
             ledger.close()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Iterable
 
@@ -11,7 +10,7 @@ from typing import Iterable
 # This host, as a temp file's name carries it: a pid means something on its own host only, and
 # a shared folder (the shards' dataset root, the train folder) is written from several hosts.
 # Dots would split the name's parts; a host name has none other than its domain's.
-HOST = socket.gethostname().replace(".", "_")
+HOST = os.uname().nodename.replace(".", "_")  # gethostname without importing socket
 
 
 def temp_path(path: Path) -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import socket
 import time
 from pathlib import Path
 from typing import IO
@@ -37,7 +36,7 @@ def hold(state_root: Path) -> IO[str]:
                    f"give this config another [paths] state_dir") from None
     # Only the holder writes: the name a refused daemon shows.
     lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, since "
+    lock.write(f"pid {os.getpid()} on {os.uname().nodename}, since "
                f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
     lock.flush()
     return lock
