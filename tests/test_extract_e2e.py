@@ -97,15 +97,24 @@ def small_tmpfs(tmp_path):
     subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+def small_disk_config(config_factory, tmp_path: Path, small_tmpfs: Path) -> Path:
+    """30 samples whose dataset lies on the small tmpfs, dispatched a few at a time."""
+    return small_config(config_factory, tmp_path, n=30,
+                        paths={"dataset_dir": str(small_tmpfs / "dataset")},
+                        budget={"reserve": "2MiB"}, verify={"spot_checks": 0},
+                        extract={"max_inflight_tokens": 1024, "batch_tokens": 512})
+
+
+def first_samples(d: DaemonProcess) -> None:
+    d.status_until(lambda s: s["samples"]["extracted"] + s["samples"]["verified"] >= 3, 300,
+                   "the first samples")
+
+
 def test_full_dataset_disk_pauses_then_finishes_after_space_is_freed(config_factory, tmp_path,
                                                                      small_tmpfs):
-    config = small_config(config_factory, tmp_path, n=30,
-                          paths={"dataset_dir": str(small_tmpfs / "dataset")},
-                          budget={"reserve": "2MiB"}, verify={"spot_checks": 0},
-                          extract={"max_inflight_tokens": 1024, "batch_tokens": 512})
+    config = small_disk_config(config_factory, tmp_path, small_tmpfs)
     with DaemonProcess(config, "--until", "train") as d:
-        d.status_until(lambda s: s["samples"]["extracted"] + s["samples"]["verified"] >= 3, 300,
-                       "the first samples")
+        first_samples(d)
         # Someone else fills the disk: the run must pause with the figures, lose nothing.
         fill_file_system(small_tmpfs)
         st = d.status_until(lambda s: s["stage"] == "paused", 120, "a disk-budget pause")
@@ -126,13 +135,9 @@ def test_a_read_only_dataset_disk_pauses_without_charging_attempts(config_factor
     """A dataset disk that turns read-only after an error (the kernel's errors=remount-ro):
     ingest cannot write, dispatch pauses as for a full disk, and no sample is charged for it;
     once it is writable again the run finishes."""
-    config = small_config(config_factory, tmp_path, n=30,
-                          paths={"dataset_dir": str(small_tmpfs / "dataset")},
-                          budget={"reserve": "2MiB"}, verify={"spot_checks": 0},
-                          extract={"max_inflight_tokens": 1024, "batch_tokens": 512})
+    config = small_disk_config(config_factory, tmp_path, small_tmpfs)
     with DaemonProcess(config, "--until", "train") as d:
-        d.status_until(lambda s: s["samples"]["extracted"] + s["samples"]["verified"] >= 3, 300,
-                       "the first samples")
+        first_samples(d)
         subprocess.run(["mount", "-o", "remount,ro", str(small_tmpfs)], check=True)
         try:
             st = d.status_until(lambda s: s["stage"] == "paused", 120, "a read-only pause")
