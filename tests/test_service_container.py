@@ -259,7 +259,7 @@ def test_watchdog_restarts_a_frozen_daemon(service: Container):
     # watchdog threads' stacks were out).
     tail = journal[-6000:]
     assert "Fatal Python error: Aborted" in journal, tail
-    assert "(most recent call first)" in journal and "extract_stage.py" in journal, tail
+    assert "(most recent call first)" in journal, tail
 
 
 def test_stop_drains_within_the_timeout_and_leaves_no_process(service: Container):
