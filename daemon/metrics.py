@@ -44,8 +44,10 @@ def render(state: dict[str, Any], shard: str = "") -> str:
 
 def write(path: Path, state: dict[str, Any], shard: str = "") -> None:
     """Replace the textfile whole, readable by node_exporter (mode 0644: it runs as its own
-    user, and nothing in it is secret that `eagle3ctl status` does not already show)."""
-    atomic_write_bytes(path, render(state, shard).encode(), mode=0o644)
+    user, and nothing in it is secret that `eagle3ctl status` does not already show). Not
+    fsynced: it is rewritten every second, and two fsyncs a second on node_exporter's disk would
+    tie the loop to that disk's latency for figures the next second replaces."""
+    atomic_write_bytes(path, render(state, shard).encode(), mode=0o644, durable=False)
 
 
 def _samples(state: dict[str, Any]) -> Iterator[Sample]:

@@ -59,9 +59,12 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o640) -> None:
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o640,
+                       durable: bool = True) -> None:
     """Temp file in the same folder, fsync, rename over the target, fsync the folder: a reader
-    sees the old file or the new one, never a mix, even across a crash or power cut."""
+    sees the old file or the new one, never a mix, even across a crash or power cut.
+    `durable` False leaves out the two fsyncs: still never a mix for a reader, but a power cut
+    may keep the old file, for what is rewritten every second anyway."""
     path = Path(path)
     tmp = temp_path(path)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, mode)
@@ -69,14 +72,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int = 0o640) 
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
-        os.fsync(fd)
+        if durable:
+            os.fsync(fd)
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
         raise
     os.close(fd)
     os.rename(tmp, path)
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
 def fsync_dir(folder: str | os.PathLike) -> None:
