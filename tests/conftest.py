@@ -153,3 +153,23 @@ def shard_configs(tmp_path: Path, limit: int, shards: int = 3,
         "paths": {"spool_dir": str(spool)}, "verify": {"spot_checks": 0},
         "extract": {"batch_tokens": 256, "max_inflight_tokens": 512}, **(sections or {})},
         name=f"shard{i}.toml") for i in range(shards)]
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A real, small file system: tmpfs("name", "24m") mounts one and returns its folder;
+    each is unmounted at the test's end."""
+    import subprocess
+    mounted: list[Path] = []
+
+    def mount(name: str, size: str) -> Path:
+        where = tmp_path / f"{name}-{uuid.uuid4().hex[:6]}"
+        where.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0750", "tmpfs",
+                        str(where)], check=True)
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -88,13 +88,8 @@ def test_engine_killed_mid_batch_loses_nothing(config_factory, tmp_path):
 
 
 @pytest.fixture
-def small_tmpfs(tmp_path):
-    mount = tmp_path / "small-disk"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0750", "tmpfs", str(mount)],
-                   check=True)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+def small_tmpfs(tmpfs):
+    return tmpfs("small-disk", "24m")
 
 
 def small_disk_config(config_factory, tmp_path: Path, small_tmpfs: Path) -> Path:

@@ -20,7 +20,6 @@ from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.ledger import Ledger
-from tests.chaos.conftest import tmpfs  # noqa: F401 (the fixture)
 from tests.pipeline import DaemonProcess, ctl, fill_file_system
 
 # A second process holds the ledger's write lock (an operator's sqlite3 shell left open, a

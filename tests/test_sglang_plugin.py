@@ -365,18 +365,13 @@ def test_missing_prefix_lengths_are_zero_only_with_the_radix_cache_off(tmp_path)
 
 
 @pytest.fixture
-def full_tmpfs(tmp_path):
+def full_tmpfs(tmpfs):
     """A real small tmpfs, filled to its last byte by someone else."""
-    import subprocess
     from tests.pipeline import fill_file_system
-    mount = tmp_path / "small-spool"
-    mount.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mount)],
-                   check=True)
+    mount = tmpfs("small-spool", "1m")
     (mount / "sglang").mkdir()  # the plugin's folder, made at its start
     fill_file_system(mount)
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    return mount
 
 
 def test_a_dump_the_full_spool_cannot_hold_reaches_the_daemon_as_a_disk_event(tmp_path,
