@@ -24,12 +24,6 @@ def reload_verdict(old: Config, new: Config) -> tuple[str, str] | None:
     return None if problem is None else (REFUSED, problem)
 
 
-def reload_problem(old: Config, new: Config) -> str | None:
-    """Why a new config cannot be taken on the fly, or None (reload_verdict's why)."""
-    verdict = reload_verdict(old, new)
-    return None if verdict is None else verdict[1]
-
-
 def daemon_problem(cfg: Config) -> str | None:
     """Why the daemon must not run with this config, or None: only node 0 runs the pipeline
     (it owns the ledger and the train stage); the other nodes of a multi-node training only

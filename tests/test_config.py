@@ -11,7 +11,7 @@ import pytest
 import tomli_w
 
 from eagle3d.statemachine.config import ConfigError, load_config, parse_size
-from eagle3d.statemachine.reload_policy import reload_problem
+from eagle3d.statemachine.reload_policy import reload_verdict
 from tests.conftest import make_config, venv_bin
 
 BAD = [
@@ -170,10 +170,10 @@ def test_a_reload_takes_contract_edits_and_refuses_path_edits(config_factory):
                                                      **paths},
                                            "extract": {"dump_dtype": dump_dtype}},
                                           name=f"{dump_dtype}.toml"))
-    assert reload_problem(running, edited({}, "bfloat16")) is None  # spelt out: the same
-    assert reload_problem(running, edited({}, "float8_e4m3fn")) is None
+    assert reload_verdict(running, edited({}, "bfloat16")) is None  # spelt out: the same
+    assert reload_verdict(running, edited({}, "float8_e4m3fn")) is None
     elsewhere = {"dataset_dir": str(running.paths.dataset_dir) + "-2"}
-    assert reload_problem(running, edited(elsewhere, "float8_e4m3fn")).startswith(
+    assert reload_verdict(running, edited(elsewhere, "float8_e4m3fn"))[1].startswith(
         "[paths] dataset_dir changed: restart the daemon")
 
 

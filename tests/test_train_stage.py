@@ -185,7 +185,7 @@ def test_the_trainer_command_of_one_node_and_of_several(config_factory):
 def test_only_node_0_runs_the_daemon(config_factory):
     from eagle3d.daemon.reconcile import Daemon
     from eagle3d.statemachine.config import ConfigError
-    from eagle3d.statemachine.reload_policy import reload_problem
+    from eagle3d.statemachine.reload_policy import reload_verdict
     zero = load_config(config_factory({"train": {"nnodes": 2, "rendezvous": "10.0.0.1:29400"}}))
     one = load_config(config_factory({"train": {"nnodes": 2, "node_rank": 1,
                                                 "rendezvous": "10.0.0.1:29400"}}, "n1.toml"))
@@ -193,7 +193,7 @@ def test_only_node_0_runs_the_daemon(config_factory):
                                           r"this node run `eagle3d train-node -c .*n1.toml`"):
         Daemon(one)
     assert not one.paths.state_dir.exists()  # refused before it touched anything
-    assert "train-node" in reload_problem(zero, zero._replace(train=one.train))
+    assert "train-node" in reload_verdict(zero, zero._replace(train=one.train))[1]
 
 
 def test_a_multi_node_failure_points_at_the_other_nodes(config_factory, monkeypatch):
