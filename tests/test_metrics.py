@@ -60,6 +60,7 @@ def test_the_textfile_tells_the_plan_and_is_never_read_half_written(config_facto
     # The daemon's last word, as it stopped: an alert on eagle3d_up or the heartbeat fires.
     assert value(samples, "eagle3d_stage", stage="stopped") == 1
     assert value(samples, "eagle3d_up") == 0
+    assert value(samples, "eagle3d_loop_condition") == 0
     assert value(samples, "eagle3d_disk_free_bytes", role="dataset_dir") > 0
     assert textfile.stat().st_mode & 0o777 == 0o644  # node_exporter runs as its own user
 
@@ -95,3 +96,15 @@ def test_every_metric_the_alerts_use_is_one_the_daemon_writes():
     used = {name for group in rules["groups"] for rule in group["rules"]
             for name in re.findall(r"\beagle3d_[a-z_]+", rule["expr"])}
     assert used and used <= set(HELP), used - set(HELP)
+
+
+def test_a_loop_condition_is_a_metric_an_alert_pages_on(tmp_path):
+    """Status exit 9 (the loop retries a failing tick) reaches monitoring too."""
+    from eagle3d.daemon import metrics
+    state = {"run": {"id": "r"}, "daemon": {"alive": True, "heartbeat": 1.0},
+             "condition": {"reason": "ledger locked", "since": 1.0, "retries": 3}}
+    path = tmp_path / "eagle3d.prom"
+    metrics.write(path, state)
+    assert value(scrape(path), "eagle3d_loop_condition") == 1
+    metrics.write(path, {**state, "condition": None})
+    assert value(scrape(path), "eagle3d_loop_condition") == 0
