@@ -428,8 +428,16 @@ class Ledger:
         return bool(cur.rowcount)
 
     def mark_extracted(self, sid: str, path: str, nbytes: int, checksum: str) -> bool:
+        """The sample's dump is in the dataset. A dump can still come for a sample released
+        without its attempt counted (its spool was removed, its engine went silent): that
+        attempt made it after all, so an extracted sample counts at least one. The attempts read
+        are the move's guard: a dispatch in between leaves the sample to its new attempt."""
+        row = self.db.execute("SELECT attempts FROM samples WHERE id = ?", (sid,)).fetchone()
+        if row is None:
+            return False
         return self._move(sid, ("inflight", "pending", "failed"), "extracted", "extracted",
-                          f"{nbytes} bytes", path=path, bytes=nbytes, checksum=checksum,
+                          f"{nbytes} bytes", guard={"attempts": row[0]},
+                          attempts=max(row[0], 1), path=path, bytes=nbytes, checksum=checksum,
                           error=None, verified_stat=None)
 
     def mark_retry(self, sid: str, error: str, max_attempts: int,
