@@ -2,10 +2,11 @@
 # Follows a run that outlasts one device command (run.sh under setsid/nohup, output in
 # WORK/run.log): every 20 s it rewrites DEST/follow.txt (each arm's `eagle3ctl status` with its
 # exit code, the logs' tails, disk and GPU use) and copies each arm's training metrics and the
-# summaries so far, until every arm started has its summary (and the ttt step is done) or SECONDS
-# have passed. DEST is the device command's $OUT, so a command cut off by its time limit still
-# brings back the latest; seven files at most, because a device command brings back eight: with
-# the ttt step, its second arm's curve and WORK/out as results.tgz (evaluations, logs).
+# summaries so far, until every arm started has its summary and every step run.sh started is done,
+# or run.sh has ended, or SECONDS have passed. DEST is the device command's $OUT, so a command cut
+# off by its time limit still brings back the latest; seven files at most, because a device
+# command brings back eight: with the ttt step, its second arm's curve, and WORK/out as
+# results.tgz (evaluations, the graph probe, the serve bench, logs).
 #   bench/sglang_h200/follow.sh WORK SECONDS DEST
 set -uo pipefail
 here=$(dirname "$(realpath "$0")"); work=$(realpath "$1"); dest=$3
@@ -39,7 +40,7 @@ while :; do
   done
   # (target.log, the daemon's output with SGLang's, is in follow.txt's tail; tar exits 1 when a
   # file changed while read, which leaves a usable archive.)
-  if [ -e "$work/out/ttt.started" ]; then
+  if [ -e "$work/out/run.ended" ] || ls "$work"/out/*.started >/dev/null 2>&1; then
     tar czf "$dest/results.tgz.tmp" -C "$work/out" --exclude ./target.log . 2>/dev/null
     [ $? -le 1 ] && mv "$dest/results.tgz.tmp" "$dest/results.tgz"
   fi
@@ -49,9 +50,11 @@ while :; do
     started=1
     if [ -e "$work/out/$arm.json" ]; then cp "$work/out/$arm.json" "$dest/"; else finished=0; fi
   done
-  # The ttt step ends after its arms' trees and the graph probe.
-  [ -e "$work/out/ttt.started" ] && [ ! -e "$work/out/ttt.done" ] && finished=0
+  for mark in "$work"/out/*.started; do
+    [ -e "$mark" ] && [ ! -e "${mark%.started}.done" ] && finished=0
+  done
   [ $started = 1 ] && [ $finished = 1 ] && break
+  [ -e "$work/out/run.ended" ] && break
   [ $SECONDS -ge $end ] && break
   sleep 20
 done

@@ -86,8 +86,12 @@ second_arm() {  # B: the daemon's target config with ttt_steps = B and its own t
 mla_model() {  # the random DeepSeek-V3 model, with SmolLM2's tokenizer, made once
   [ -e "$work/mla/config.json" ] || python3 "$here/mla_model.py" "$work/model" "$work/mla"
 }
+# follow.sh waits for every step started here to be done, and stops following once run.sh has
+# ended, whether it succeeded or not.
+rm -f "$work/out/run.ended"; trap 'touch "$work/out/run.ended"' EXIT
 for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
+  touch "$work/out/$step.started"
   case $step in
     install) [ -e "$work/site/sglang" ] || "$here/install.sh" "$bundle" "$work/site"
       [ -e "$conversations" ] || xz -dc "${CONVERSATIONS_XZ:-$bundle/data/sharegpt3600.jsonl.xz}" \
@@ -102,7 +106,7 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
     target) arm target 30556 ;;
     both) arm target 30556 > "$work/out/target.log" 2>&1 & target=$!
       arm pipeline 30555; wait $target ;;
-    ttt) b=${TTT_B:-5}; touch "$work/out/ttt.started"
+    ttt) b=${TTT_B:-5}
       arm target 30556 > "$work/out/target.log" 2>&1 & daemon=$!
       # The daemon's trainer starts only on a manifest that names the whole verified set.
       until [ -e "$work/target/train/progress.json" ]; do
@@ -113,7 +117,7 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
       probe > "$work/out/graphs.log" 2>&1 & graphs=$!
       evaluate tree --steps 5 --topk 4 --num-draft-tokens 8
       echo "== target tree done $(date -u +%H:%M:%S)"
-      wait $second; wait $graphs || true; touch "$work/out/ttt.done" ;;
+      wait $second; wait $graphs || true ;;
     graphs) probe ;;
     compare) python3 -m eagle3d.capture.engines.sglang.smoke --dataset "$work/pipeline/sglang.toml" \
         --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
@@ -127,4 +131,5 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
       mla_model; EAGLE3D_NATIVE_OPS=0 smoke "$work/mla" mla-kernels.json ;;
     *) echo "unknown step $step" >&2; exit 2 ;;
   esac
+  touch "$work/out/$step.done"
 done
