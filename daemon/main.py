@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from eagle3d.daemon.reconcile import run as run_daemon
     code = run_daemon(args.config, args.until)
     if args.until and code == 0:
-        from eagle3d.daemon.ctl import results_summary
+        from eagle3d.ctl.main import results_summary
         print(results_summary(args.config))
     return code
 

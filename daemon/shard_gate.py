@@ -1,6 +1,6 @@
 """The shard stage of a sharded daemon ([data] shards > 1): a shard other than the training node
 is done once its manifest is written (verify) and publishes for the training node; the training
-node opens training only when every shard has joined (dataset/shards.py), and trains on their
+node opens training only when every shard has joined (dataset/shard_union.py), and trains on their
 union, whose fingerprint stands for the dataset's.
 
 The state file's copy in the shard's dataset folder is written by the loop's publish
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3d.dataset import contract as capture_contract
-from eagle3d.dataset.shards import Join, ShardSet
+from eagle3d.dataset.shard_union import Join, ShardSet
 from eagle3d.statemachine import shards
 from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.stages import Decision, Seen, ShardFacts

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eagle3d.dataset import contract as contract_mod, dumpformat, shards
+from eagle3d.dataset import contract as contract_mod, dumpformat, shard_union
 from eagle3d.target import identity
 from eagle3d.target.loading import cpu_computes_bf16, pick_device
 from eagle3d.target.loading import load_config as load_target_config
@@ -102,7 +102,7 @@ def checked_manifest(cfg: Config) -> dict[str, Any]:
     except (manifest_mod.ManifestMismatch, LedgerError) as exc:
         raise Refusal(f"refusing to train: {exc}") from None
     # A shard's own manifest may be empty (an empty share); what is trained may not.
-    trained = shards.trained_union(cfg, manifest) if cfg.shard.count > 1 else manifest
+    trained = shard_union.trained_union(cfg, manifest) if cfg.shard.count > 1 else manifest
     if not trained["samples"]:
         raise Refusal("refusing to train: the manifest lists no samples")
     return trained
@@ -128,7 +128,7 @@ def check_this_node(cfg: Config, rt: Runtime, manifest: dict[str, Any]) -> None:
     naming every changed file of the share: the daemon sends them all back to verify at once)."""
     identity.check(manifest["contract"], cfg.target.model_path, cfg.target.model)
     share = slice(rt.local_rank, None, rt.local_world)
-    paths = data.sample_paths(manifest, shards.samples_root(cfg))[share]
+    paths = data.sample_paths(manifest, shard_union.samples_root(cfg))[share]
     changed: list[tuple[str, str]] = []
     for sample, path in zip(manifest["samples"][share], paths):
         header, st = read_dump(path)
@@ -292,7 +292,7 @@ class Run:
         self.fingerprint: str = manifest["fingerprint"]
         self.contract: dict[str, Any] = manifest["contract"]
         self.dir = cfg.paths.train_dir
-        self.paths = data.sample_paths(manifest, shards.samples_root(cfg))
+        self.paths = data.sample_paths(manifest, shard_union.samples_root(cfg))
         self.lengths = [s["tokens"] for s in manifest["samples"]]
         # What verify recorded of each file: the reader checks every file it reads against it.
         self.recorded = [(s["id"], s["checksum"]) for s in manifest["samples"]]

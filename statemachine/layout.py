@@ -110,21 +110,24 @@ def contract_file(dataset_dir: Path) -> Path:
     return Path(dataset_dir) / "capture.toml"
 
 
-# Dumps sit in folders of SAMPLES_PER_FOLDER by ledger index, `shard-00042/`: a name older than
-# the shard folders of several nodes (`shard-1-of-3/`). Five digits at least, more from index
-# 100,000,000 on (reached with [generate] answers = K), so a folder is told by its digits alone.
+# Dumps sit in folders of SAMPLES_PER_FOLDER by ledger index, `samples-00042/`. Earlier installs
+# named them `shard-00042/`, beside the shard folders of several nodes
+# (`shard-1-of-3/`): those are read as they are (each ledger row holds its sample's path), and
+# `shard` now means a node's share only. Five digits at least, more from index 100,000,000 on
+# (reached with [generate] answers = K), so a folder is told by its digits alone.
 SAMPLES_PER_FOLDER = 1000
-_SAMPLE_FOLDER = re.compile(r"shard-[0-9]{5,}")
+_SAMPLE_FOLDER = re.compile(r"(samples|shard)-[0-9]{5,}")
 
 
 def sample_folder(idx: int) -> str:
     """The dataset folder, relative to the dataset's, of the sample with this ledger index."""
-    return f"shard-{idx // SAMPLES_PER_FOLDER:05d}"
+    return f"samples-{idx // SAMPLES_PER_FOLDER:05d}"
 
 
 def sample_folders(dataset_dir: Path) -> Iterator[Path]:
-    """Every sample folder in a dataset folder, of any width; never a node's shard folder."""
-    return (p for p in Path(dataset_dir).glob("shard-[0-9]*")
+    """Every sample folder in a dataset folder, of any width and either name (`shard-00042/` in
+    an earlier install's dataset); never a node's shard folder."""
+    return (p for p in Path(dataset_dir).glob("*-[0-9]*")
             if _SAMPLE_FOLDER.fullmatch(p.name) and p.is_dir())
 
 

@@ -38,7 +38,7 @@ def status(config: Path) -> dict:
 
 
 def test_status_imports_nothing_heavy():
-    code = ("import sys; from eagle3d.daemon.ctl import main; "
+    code = ("import sys; from eagle3d.ctl.main import main; "
             "import contextlib, io; sys.argv=['eagle3ctl','-c','etc/demo.toml','status','--json'];"
             "\nwith contextlib.redirect_stdout(io.StringIO()):\n    main(sys.argv[1:])\n"
             "heavy=[m for m in ('torch','transformers','numpy','safetensors') if m in sys.modules];"
@@ -52,7 +52,7 @@ def test_status_imports_only_what_it_shows():
     """Modules that cost milliseconds at import and that status never uses stay out of it:
     dataclasses (with inspect and ast), hashlib, json (only --json needs it) and signal (its
     enums)."""
-    code = ("import sys; from eagle3d.daemon.ctl import main; "
+    code = ("import sys; from eagle3d.ctl.main import main; "
             "import contextlib, io; sys.argv=['eagle3ctl','-c','etc/demo.toml','status'];"
             "\nwith contextlib.redirect_stdout(io.StringIO()):\n    main(sys.argv[1:])\n"
             "print([m for m in ('dataclasses', 'inspect', 'hashlib', 'json', 'signal') "
@@ -227,7 +227,7 @@ def test_status_with_runs_imports_only_what_it_shows(config_factory):
     write_state(cfg.paths.state_dir, {"stage": "extract", "run": {
         "id": "b-1", "switched": "a-1 set aside, b-1 started",
         "set_aside": [{"id": "a-1", "bytes": 1 << 20}]}})
-    code = ("import sys; from eagle3d.daemon.ctl import main; "
+    code = ("import sys; from eagle3d.ctl.main import main; "
             f"import contextlib, io; sys.argv=['eagle3ctl','-c',{str(cfg.path)!r},'status'];"
             "\nout = io.StringIO()\nwith contextlib.redirect_stdout(out):\n    main(sys.argv[1:])\n"
             "print([m for m in ('dataclasses', 'inspect', 'hashlib', 'json', 'signal', 'torch') "
@@ -299,7 +299,8 @@ def test_export_writes_the_speculators_format_beside_the_sglang_export(config_fa
 def test_status_shows_the_stages_in_the_pipelines_order(config_factory, tmp_path, shards):
     """status and --json show each stage from its own section of state.toml, in the order the
     daemon's pipeline runs them: a stage added to the pipeline takes its place in both."""
-    from eagle3d.daemon import pipeline, stage_views
+    from eagle3d.ctl import stage_views
+    from eagle3d.daemon import pipeline
     from eagle3d.statemachine.config import load_config
     from eagle3d.statemachine.ledger import Ledger
     cfg = load_config(config_factory({"data": shards}))

@@ -74,7 +74,7 @@ def test_a_good_dump_lands_once_with_its_checksum(env):
     assert out.kind == "ingested"
     row = ledger.sample(s.id)
     dst = ing.dataset_dir / row.path
-    assert row.status == "extracted" and row.path.startswith("shard-00000/")
+    assert row.status == "extracted" and row.path.startswith("samples-00000/")
     assert checksum.file_checksum(dst) == row.checksum and row.bytes == dst.stat().st_size
     assert not path.exists()
     again = write(spool, s.id, s.input_ids)

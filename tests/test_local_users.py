@@ -135,7 +135,7 @@ def test_a_dump_another_user_put_in_the_spool_is_rejected_without_charging_the_s
     assert INTRUDER in reason_of(spool, genuine.name)
     after = ledger.sample(s.id)
     assert after.status == before.status == "inflight" and after.attempts == before.attempts
-    assert not (ing.dataset_dir / "shard-00000").exists()
+    assert not (ing.dataset_dir / layout.sample_folder(0)).exists()
 
 
 @pytest.mark.parametrize("shards", [1, 2])

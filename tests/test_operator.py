@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eagle3d.daemon.ctl import (EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
+from eagle3d.ctl.main import (EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
                                 WAITS_FOR_OPERATOR)
 from eagle3d.daemon import control
 from eagle3d.daemon.reconcile import Daemon
@@ -176,7 +176,7 @@ def test_a_train_edit_trains_a_new_drafter_and_keeps_the_old_one(pipeline):
 
 
 def test_help_and_the_operations_guide_list_every_exit_code(config_factory):
-    from eagle3d.daemon import ctl as ctl_module
+    from eagle3d.ctl import main as ctl_module
     shown = subprocess.run([venv_bin("eagle3ctl"), "--help"], capture_output=True, text=True,
                            timeout=60).stdout
     guide = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from eagle3d.daemon import control, run_select
-from eagle3d.daemon.ctl import results_summary
+from eagle3d.ctl.main import results_summary
 from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs, train_files
 from eagle3d.statemachine.config import load_config

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from eagle3d.capture import planner
-from eagle3d.dataset.shards import ShardSet
+from eagle3d.dataset.shard_union import ShardSet
 from eagle3d.statemachine import layout, manifest, shards
 from eagle3d.statemachine.config import ConfigError, load_config
 from eagle3d.statemachine.config_in_force import write_in_force
@@ -181,7 +181,7 @@ def test_a_shard_of_another_model_is_refused_by_name(tmp_path):
 
 
 def test_two_shards_listing_one_sample_are_refused_by_name_and_nothing_trains(tmp_path):
-    from eagle3d.dataset.shards import trained_union
+    from eagle3d.dataset.shard_union import trained_union
     from eagle3d.statemachine.entry import Refusal
     cfg = load_config(make_config(tmp_path, {"data": {"shards": 3, "shard": 0}}))
     root = tmp_path / "dataset"

@@ -48,12 +48,12 @@ def test_three_shards_one_killed_and_held_back_then_one_training_of_every_sample
     assert all(c["verified"] > 0 for c in counts)
     from eagle3d.drafter.train import checked_manifest  # what the trainer reads
     from eagle3d.drafter import data
-    from eagle3d.dataset import shards
+    from eagle3d.dataset import shard_union
     cfg = load_config(configs[0])
     union = checked_manifest(cfg)
     ids = [s["id"] for s in union["samples"]]
     assert len(ids) == len(set(ids)) == sum(c["verified"] for c in counts)
-    assert all(p.is_file() for p in data.sample_paths(union, shards.samples_root(cfg)))
+    assert all(p.is_file() for p in data.sample_paths(union, shard_union.samples_root(cfg)))
     assert status(configs[0])["reason"] == "daemon stopped; training the drafter"
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle3d.capture.planner import prompt_turns, sample_id
-from eagle3d.dataset import shards as shard_union
+from eagle3d.dataset import shard_union
 from eagle3d.statemachine import layout, manifest, shards
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.ledger import Ledger

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from eagle3d.daemon import stage_views
+from eagle3d.ctl import stage_views
 from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, pointer
 from eagle3d.statemachine.config import DERIVED, Config, ConfigError, human_bytes, load_config
@@ -121,7 +121,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["daemon"] = {"pid": d.get("pid"), "alive": alive,
                      "heartbeat_age_s": None if age is None else round(age, 2)}
     if cfg.shard.count > 1:
-        from eagle3d.daemon import shard_view  # only a sharded dataset has shards to show
+        from eagle3d.ctl import shard_view  # only a sharded dataset has shards to show
         out["shards"] = [{**sh, "problem": None if sh["name"] == cfg.shard.name else
                           shard_problem(sh)} for sh in shard_view.collect(cfg)]
         # The training node answers for every shard: operations.md pages on its exit code.
@@ -229,14 +229,14 @@ def render_status(st: dict[str, Any]) -> str:
     lines = [f"stage     {st['stage']}{since}: {st['reason']}", _daemon_line(st["daemon"]),
              *_problem_lines(st)]
     if st.get("run"):
-        from eagle3d.daemon.ctl_runs import run_line  # only where the daemon published runs
+        from eagle3d.ctl.run_commands import run_line  # only where the daemon published runs
         lines.append(run_line(st["run"]))
     lines += [stage_views.progress(st), _samples_line(st["samples"]), stage_views.rate(st),
               _disk_line(st)]
     for view in stage_views.VIEWS:
         lines += view.lines(st.get(view.key, view.empty))
     if st.get("shards"):
-        from eagle3d.daemon import shard_view
+        from eagle3d.ctl import shard_view
         lines += shard_view.render(st["shards"])
     g = st.get("gate", {})
     if g and not (g.get("open") and st["stage"] == "failed"):  # open, but nothing goes through
@@ -620,9 +620,9 @@ def run(argv: list[str]) -> int:
     if args.command == "status":
         return cmd_status(cfg, args)
     if args.command in ("runs", "forget"):
-        from eagle3d.daemon import ctl_runs
-        return ctl_runs.cmd_runs(cfg, args) if args.command == "runs" else \
-            ctl_runs.cmd_forget(cfg, args)
+        from eagle3d.ctl import run_commands
+        return run_commands.cmd_runs(cfg, args) if args.command == "runs" else \
+            run_commands.cmd_forget(cfg, args)
     if args.command == "pause":
         return _request(cfg, "pause", {"reason": args.reason})
     if args.command == "resume":
