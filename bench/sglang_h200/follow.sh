@@ -16,7 +16,7 @@ report() {
   for arm in pipeline target; do
     [ -e "$work/$arm/sglang.toml" ] || continue
     echo "== $arm status"
-    timeout 20 python3 -c 'import sys; from eagle3d.daemon.ctl import main; sys.exit(main())' \
+    timeout 20 python3 -c 'import sys; from eagle3d.ctl.main import main; sys.exit(main())' \
       -c "$work/$arm/sglang.toml" status 2>&1
     # 4 is a pipeline waiting for an operator (retry or exclude).
     echo "exit $?"

@@ -90,6 +90,6 @@ started=$(date +%s)
 python3 -c 'import sys; from eagle3d.daemon.main import main; sys.exit(main())' \
   run -c "$out/sglang.toml" --until done 2>&1 | tee "$out/daemon.log"
 wall=$(( $(date +%s) - started ))
-python3 -c 'import sys; from eagle3d.daemon.ctl import main; sys.exit(main())' \
+python3 -c 'import sys; from eagle3d.ctl.main import main; sys.exit(main())' \
   -c "$out/sglang.toml" status || true
 python3 "$(dirname "$(realpath "$0")")/../pipeline_summary.py" "$out" "$wall" "${RESPONSES:-dataset}"
