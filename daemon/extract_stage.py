@@ -55,6 +55,32 @@ class _NoBorrower:
         pass
 
 
+class InflightAges:
+    """How long each sample has been in flight, on time.monotonic() within the daemon's life.
+
+    The ledger's dispatched_at is wall-clock time, the only record that outlives the daemon, and
+    NTP may step that clock by hours: judged on it, a step forward would expire every sample in
+    flight at once and charge each an attempt, a step back would keep them in flight for hours.
+    So a dispatch of this daemon counts from the monotonic instant it was made; only a sample
+    dispatched before the daemon started (a restart) takes its age from the ledger, once, at
+    the first look (never below 0), and grows on the monotonic clock from then on."""
+
+    def __init__(self) -> None:
+        self._since: dict[str, float] = {}  # id -> the monotonic instant its age counts from
+
+    def dispatched(self, ids: list[str]) -> None:
+        now = time.monotonic()
+        self._since.update((sid, now) for sid in ids)
+
+    def expired(self, inflight: dict[str, float], timeout: float) -> list[str]:
+        """The samples of `inflight` (id -> dispatched_at) in flight for `timeout` s or more."""
+        mono, wall = time.monotonic(), time.time()
+        known = self._since
+        self._since = {sid: known[sid] if sid in known else mono - max(0.0, wall - at)
+                       for sid, at in inflight.items()}
+        return [sid for sid, since in self._since.items() if mono - since >= timeout]
+
+
 class ExtractStage:
     name = Stage.EXTRACT.value
     state_key = "engine"
@@ -85,6 +111,7 @@ class ExtractStage:
         self.ingest_threads: list[threading.Thread] = []
         self.ingested: collections.deque[tuple[float, int]] = collections.deque()
         self.ingest_lock = threading.Lock()
+        self.inflight_ages = InflightAges()
         self.disk_full_until = 0.0
         self.disk_full_why = ""  # what the last disk event said, for the budget's reason
         self.stopping = False
@@ -140,7 +167,7 @@ class ExtractStage:
         if problem is not None:
             return f"spool: {spool} was removed and cannot be made again: {problem}"
         self._let_go_of_spool()  # it holds the removed folder: the next step holds the new one
-        held = self.ledger.expired_inflight(float("inf"))
+        held = list(self.ledger.inflight())
         self.ledger.release(held, f"the spool {spool} was removed under the daemon")
         log.warning("the spool %s was removed under the daemon: made again, %d in-flight "
                     "samples returned without an attempt", spool, len(held))
@@ -222,7 +249,7 @@ class ExtractStage:
         log.error("%s: killing it", why)
         engine.stop(0.0)  # SIGKILL: a stopped or stuck process never answers SIGTERM
         self.engine = None
-        held = self.ledger.expired_inflight(float("inf"))
+        held = list(self.ledger.inflight())
         self.ledger.release(held, why)
         self.borrower.engine_exited()
         self.ledger.event("engine_silent", f"{why}; {len(held)} in-flight samples returned "
@@ -233,7 +260,7 @@ class ExtractStage:
         # An engine that knew why it could not become ready (an SGLang server whose capture
         # plugin never answered) would fail the same way again: no restart, the reason shown.
         refused = getattr(self.engine, "problem", None)
-        held = self.ledger.expired_inflight(float("inf"))
+        held = list(self.ledger.inflight())
         for sid in held:
             self.ledger.mark_retry(sid, f"the engine exited with code {code}",
                                    self.cfg.extract.max_attempts)
@@ -267,7 +294,7 @@ class ExtractStage:
         timeout = self.cfg.extract.inflight_timeout_s
         if self.silence.silent_for() >= timeout:
             return  # a late sample is its own fault only while the engine works on others
-        for sid in self.ledger.expired_inflight(time.time() - timeout):
+        for sid in self.inflight_ages.expired(self.ledger.inflight(), timeout):
             self.ledger.mark_retry(sid, f"no dump within {timeout:.0f} s",
                                    self.cfg.extract.max_attempts)
 
@@ -284,6 +311,7 @@ class ExtractStage:
             claimed = self.ledger.claim(room_samples, min(room_tokens, bounds.batch_tokens))
             if not claimed:
                 return
+            self.inflight_ages.dispatched([s.id for s in claimed])
             tokens = self.ledger.plan_tokens([s.id for s in claimed])
             engine.submit([plan_batch_item(s.id, *tokens[s.id]) for s in claimed],
                           self.cfg.paths.spool_dir)

@@ -31,18 +31,25 @@ HELD_KEY = "train.key"
 
 
 def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
-    """torchrun with this node's share of the trainer's processes, reading `config_path`.
+    """The trainer's command for this node's share of its processes, reading `config_path`.
 
-    Several nodes meet at node 0's [train] rendezvous through torchrun's static rendezvous:
-    it makes node k's processes ranks k·nproc … k·nproc + nproc - 1, so rank 0 (which checks
-    the ledger, checkpoints and exports) is always on node 0, beside the daemon. (The c10d
-    rendezvous orders nodes by host name and pid instead and ignores --node_rank.)"""
+    One process on one node runs the trainer alone, without torchrun: it needs no process group
+    (drafter.train.init_runtime), and torchrun's agent would open its TCPStore on every
+    interface, which no flag of torch 2.13 binds to loopback. Several processes use torchrun
+    (--standalone on one node). Several nodes meet at node 0's [train] rendezvous through
+    torchrun's static rendezvous: it makes node k's processes ranks k·nproc … k·nproc + nproc - 1,
+    so rank 0 (which checks the ledger, checkpoints and exports) is always on node 0, beside the
+    daemon. (The c10d rendezvous orders nodes by host name and pid instead and ignores
+    --node_rank.)"""
     t = cfg.train
+    trainer = ["-m", "eagle3d.drafter.train", "-c", str(config_path)]
+    if t.nnodes == 1 and t.nproc == 1:
+        return [sys.executable, *trainer]
     nodes = (["--standalone"] if t.nnodes == 1 else
              [f"--nnodes={t.nnodes}", f"--node_rank={t.node_rank}", "--rdzv_backend=static",
               f"--rdzv_endpoint={t.rendezvous}"])
     return [sys.executable, "-m", "torch.distributed.run", *nodes,
-            f"--nproc_per_node={t.nproc}", "-m", "eagle3d.drafter.train", "-c", str(config_path)]
+            f"--nproc_per_node={t.nproc}", *trainer]
 
 
 def eval_argv(cfg: Config) -> list[str]:

@@ -1,4 +1,5 @@
-"""Train the EAGLE-3 drafter: `torchrun --nproc_per_node N -m eagle3d.drafter.train -c CONFIG`.
+"""Train the EAGLE-3 drafter: `python -m eagle3d.drafter.train -c CONFIG`, under `torchrun
+--nproc_per_node N` for several processes.
 
 Reads the verified dataset (refusing one that no longer matches the ledger or a target that is
 not the dataset's, with the exit codes of statemachine/entry.py, also written to refusal.json

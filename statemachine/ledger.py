@@ -511,10 +511,10 @@ class Ledger:
                 self.event("released", f"{n} samples: {reason}", None, db)
         return n
 
-    def expired_inflight(self, older_than: float) -> list[str]:
-        return [r[0] for r in self.db.execute(
-            "SELECT id FROM samples WHERE status = 'inflight' AND dispatched_at < ?",
-            (older_than,))]
+    def inflight(self) -> dict[str, float]:
+        """The samples in flight and the wall-clock time each was dispatched at."""
+        return dict(self.db.execute(
+            "SELECT id, dispatched_at FROM samples WHERE status = 'inflight'").fetchall())
 
     def retry(self, ids: Sequence[str] | None) -> int:
         """Operator: failed (or the given) samples get a fresh set of attempts."""

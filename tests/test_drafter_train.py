@@ -608,3 +608,45 @@ def test_the_curves_are_there_while_it_trains(tmp_path, data_root):
         set(board.Tags()["scalars"])
     logged = [e.step for e in board.Scalars("train/loss")]
     assert logged and logged == sorted(logged) and logged[0] == 1
+
+
+def wildcard_listeners(root: subprocess.Popen) -> set[tuple[str, str, int]]:
+    """The sockets of `root`'s process tree listening beyond loopback (0.0.0.0, ::, an address
+    of the network), as (process, address, port)."""
+    import ipaddress
+    import psutil
+    found = set()
+    try:
+        procs = [psutil.Process(root.pid), *psutil.Process(root.pid).children(recursive=True)]
+    except psutil.Error:
+        return found
+    for p in procs:
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN and \
+                        not ipaddress.ip_address(c.laddr.ip).is_loopback:
+                    found.add((" ".join(p.cmdline()[1:4]), c.laddr.ip, c.laddr.port))
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_a_single_process_training_listens_on_no_network_address(tmp_path, data_root):
+    """On a shared server the trainer of one node and one process opens no port beyond
+    loopback, from its start to its last step: watched over its whole process tree, as the
+    daemon starts it (trainer_argv)."""
+    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.statemachine.config import load_config
+    config = write_config(tmp_path, data_root, {**SMALL, "max_steps": 3})
+    proc = subprocess.Popen(trainer_argv(load_config(config), config),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: set = set()
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        seen |= wildcard_listeners(proc)
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err[-3000:]
+    assert len(metrics(tmp_path / "train")) == 3
+    assert not seen, seen

@@ -209,3 +209,44 @@ def test_the_spool_budget_counts_every_dump_in_flight_before_it_is_written(confi
             assert ledger.counts().get("pending") > 0
         finally:
             stage.stop(time.monotonic() + 10)
+
+
+def test_a_clock_step_expires_no_sample_in_flight_and_charges_no_attempt(setup):
+    """NTP steps the wall clock by hours while four samples are in flight: stepped forward, the
+    ledger's dispatch times lie hours in the past, and none of them is charged for it; stepped
+    back, they lie in the future, and a sample with no dump still expires once
+    [extract] inflight_timeout_s has really passed. (The machine's clock is never moved: the
+    rows are written as a step leaves them.)"""
+    cfg, ledger, factory, engines, _ = setup
+    cfg = cfg._replace(extract=cfg.extract._replace(inflight_timeout_s=2.0))
+    stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, factory)
+
+    def step_clock(by_s: float) -> None:
+        with ledger.transaction() as db:
+            db.execute("UPDATE samples SET dispatched_at = dispatched_at + ? "
+                       "WHERE status = 'inflight'", (by_s,))
+
+    def tick() -> None:
+        engines[0]._events.append({"event": "progress"})  # a busy engine, never a silent one
+        stage.step(EXTRACT)
+
+    def attempts() -> int:
+        return sum(s.attempts for s in ledger.samples())
+
+    try:
+        stage.step(EXTRACT)
+        engines[0].hold = True  # takes batches and writes nothing
+        tick()
+        tick()  # the samples in flight, seen
+        assert ledger.counts().get("inflight") == 4 and attempts() == 4
+        step_clock(-10 * 3600.0)  # the wall clock jumped 10 hours forward
+        tick()
+        assert ledger.counts().get("inflight") == 4 and attempts() == 4
+        step_clock(20 * 3600.0)  # and back, 10 hours behind the dispatch
+        tick()
+        assert attempts() == 4
+        time.sleep(2.2)
+        tick()
+        assert len(engines[0].submitted) == 8 and attempts() == 8  # expired, dispatched again
+    finally:
+        stage.stop(time.monotonic() + 10)

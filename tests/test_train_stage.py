@@ -168,6 +168,10 @@ def test_a_finished_training_is_evaluated_and_marked_done(stage):
 
 
 def test_the_trainer_command_of_one_node_and_of_several(config_factory):
+    alone = load_config(config_factory({"train": {"nproc": 1}}, "alone.toml"))
+    # One process trains without torchrun, whose agent would listen on every interface.
+    assert train_stage.trainer_argv(alone, alone.path)[1:] == [
+        "-m", "eagle3d.drafter.train", "-c", str(alone.path)]
     one = load_config(config_factory({"train": {"nproc": 8}}))
     argv = train_stage.trainer_argv(one, layout.config_in_force(one.paths.state_dir))
     assert argv[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
