@@ -43,8 +43,10 @@ def save(folder: Path, step: int, state: dict[str, Any]) -> Path:
 
 
 def _complete(folder: Path) -> list[Path]:
+    """The whole checkpoints, oldest written first: by when, not by step, since a training that
+    starts over (a grown manifest) writes low steps beside the old manifest's higher ones."""
     found = [p for p in folder.iterdir() if _NAME.fullmatch(p.name) and (p / "state.pt").exists()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted(found, key=lambda p: ((p / "state.pt").stat().st_mtime_ns, p.name))
 
 
 def schedule(train: TrainConfig) -> dict[str, Any]:

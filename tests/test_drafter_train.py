@@ -146,6 +146,23 @@ def test_a_checkpoint_of_an_earlier_weight_layout_is_not_resumed(tmp_path, caplo
     assert checkpoint.latest(tmp_path, "m", 1, shape, now, train)[0]["model"].keys() == now.keys()
 
 
+def test_a_retraining_resumes_its_own_checkpoint_beside_higher_steps_of_the_old_manifest(
+        tmp_path):
+    """A grown manifest trains from step 0 beside the old manifest's checkpoints of higher
+    steps: the newest checkpoint is the one written last, not the highest step, so a restart
+    of the retraining resumes its own (and its first save does not prune it away)."""
+    import torch
+    from eagle3d.drafter import checkpoint
+    shape, train = {"draft": 1}, TrainConfig()
+    now = {"fc.weight": torch.zeros(2, 2)}
+    made = {"draft_config": shape, "schedule": checkpoint.schedule(train), "model": now}
+    for step in (8, 10):
+        checkpoint.save(tmp_path, step, {**made, "manifest_fingerprint": "old", "step": step})
+    checkpoint.save(tmp_path, 2, {**made, "manifest_fingerprint": "grown", "step": 2})
+    state, why = checkpoint.latest(tmp_path, "grown", 1, shape, now, train)
+    assert why is None and state["step"] == 2
+
+
 class _Planted:
     """What a hostile checkpoint holds: an object whose unpickling runs a command."""
 
