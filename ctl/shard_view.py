@@ -28,6 +28,7 @@ def collect(cfg: Config) -> list[dict[str, Any]]:
                     "samples": st.get("samples", {}), "rate": st.get("rate", {}),
                     "eta_s": st.get("eta_s"), "disk": st.get("disk", []),
                     "heartbeat_age_s": None if beat is None else round(now - beat, 2),
+                    "published": state is not None, "folder": str(folder),
                     "manifest": layout.manifest_file(folder).is_file()})
     return out
 

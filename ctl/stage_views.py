@@ -154,6 +154,8 @@ def _train_lines(trainer: dict[str, Any]) -> list[str]:
     if not trainer:
         return []
     lines = ["trainer   " + " · ".join(_trainer_parts(trainer))]
+    if trainer.get("started_over"):
+        lines.append(f"retrain   training started over from step 0: {trainer['started_over']}")
     if trainer.get("versions"):  # drafters of other [train] settings, kept beside this one
         kept = [f"{v['key']} " + (f"acceptance length {v['acceptance_length']:.2f}"
                                   if v.get("acceptance_length") is not None else

@@ -93,6 +93,13 @@ def acknowledge(state_dir: Path, name: str, ok: bool, message: str) -> None:
     (ctl / f"{name}.request.json").unlink(missing_ok=True)
 
 
+def refuse_all(state_dir: Path, why: str) -> None:
+    """Answer every waiting request with `why`, nothing done: a request eagle3ctl dropped into
+    a run's folder that the daemon no longer applies requests from (a switch sets it aside)."""
+    for req in pending(state_dir):
+        acknowledge(state_dir, req[0], False, why if isinstance(req, Request) else req[1])
+
+
 def apply_all(state_dir: Path, handler: Callable[[Request], str]) -> None:
     """Apply each waiting request through `handler` (returns the message; raises ValueError for
     a request it refuses) and acknowledge it."""

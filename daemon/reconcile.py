@@ -298,6 +298,10 @@ class Daemon:
             self.reload()
         if self.switching is not None:
             if self.switching.stopper.is_alive():
+                # The stages stop in another thread: no request may act on them meanwhile.
+                control.refuse_all(self.cfg.paths.state_dir, (
+                    f"the daemon is switching runs ({self.switching.state['reason']}): nothing "
+                    "was done; send it again once eagle3ctl status shows the new run"))
                 self.publish()
                 return
             self.phase = "switching runs"
@@ -306,6 +310,8 @@ class Daemon:
         control.apply_all(self.cfg.paths.state_dir,
                           lambda request: requests.handle(request, self.ledger, self.unblock,
                                                           self.root_cfg.paths.state_dir))
+        for run, _ in self.set_aside:
+            self.refuse_set_aside(run)
         self.phase = "observing"
         decision = stages.derive(self.observe())
         if self.decision is None or decision.stage != self.decision.stage:
@@ -399,12 +405,22 @@ class Daemon:
         selected = run_select.select(new, weights)
         self.ledger.event("run_set_aside", f"{self.current.id}; now {selected.run.id}")
         self.ledger.close()
+        left = self.current
         self.enter(selected)
         # Its state file says where it stopped: once eagle3ctl finds the new run, never before.
         self._write_state(before, stopped)
+        self.refuse_set_aside(left)  # before the set-aside list, sized in a thread, names it
         self.recover_run("run resumed")
         log.info("config reloaded from %s", new.path)
         self.notifier.ready()
+
+    def refuse_set_aside(self, run: runs.Run) -> None:
+        """A request eagle3ctl dropped into a set-aside run's folder (it read which run was in
+        force just before a switch, or was killed before it withdrew its request) is answered,
+        never left to act when that run is current again, weeks later."""
+        if run.id != self.current.id:
+            control.refuse_all(run.state_dir, f"run {run.id} is set aside (the run in force is "
+                               f"{self.current.id}): nothing was done; send it again")
 
     # ---- publishing ---------------------------------------------------------------------------
 

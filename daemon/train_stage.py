@@ -316,6 +316,9 @@ class TrainStage:
                                                                         train_files.STARTING):
                 out["before_first_step"] = {"status": progress["status"],
                                             "since": progress.get("since")}
+            if progress.get("status") in train_files.TRAINS and progress.get("started_over"):
+                # Step 0 beside a trained drafter reads as lost progress unless it says why.
+                out["started_over"] = progress["started_over"]
         # The training's rate and ETA are over once it evaluates (the evaluation has none).
         rates = ("tokens_per_s", "eta_s", "data_wait") if self.phase != "evaluating" else ()
         for key in ("step", "total_steps", "epoch", "loss", "acc", *rates):

@@ -299,6 +299,9 @@ class Run:
         self.recorded = [(s["id"], s["checksum"]) for s in manifest["samples"]]
         self.progress = train_files.ProgressWriter(self.dir, self.fingerprint) if rt.main else None
         self.step = 0  # where it stands in the data too: data.position
+        # Why this training began at step 0 beside a checkpoint it could not resume (a raised
+        # [data] limit), kept in its own checkpoints: the operator is told until it is done.
+        self.started_over: str | None = None
 
 
 def agreed_job(cfg: Config, rt: Runtime) -> None:
@@ -391,10 +394,14 @@ def setup(cfg: Config, rt: Runtime) -> Run:
 def resume(run: Run) -> None:
     """Continue from the last checkpoint of this manifest, if there is one."""
     rt = run.rt
-    state = (checkpoint.latest(layout.checkpoint_dir(run.dir), run.fingerprint,
-                               run.model.cfg.to_dict(), run.model.state_dict(), run.cfg.train)
-             if rt.main else None)
+    state, why = (checkpoint.latest(layout.checkpoint_dir(run.dir), run.fingerprint,
+                                    len(run.lengths), run.model.cfg.to_dict(),
+                                    run.model.state_dict(), run.cfg.train)
+                  if rt.main else (None, None))
     state = broadcast(rt, state)
+    run.started_over = why if state is None else state.get("started_over")
+    if run.progress:
+        run.progress.started_over = run.started_over
     if state is not None:
         run.model.load_state_dict(state["model"])
         run.optimizer.load_state_dict(state["optimizer"])
@@ -427,7 +434,8 @@ def save_checkpoint(run: Run) -> None:
             "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "scheduler": run.scheduler.state_dict(), "step": run.step,
             "world": run.rt.world, "rng": rng,
-            "manifest_fingerprint": run.fingerprint, "draft_config": run.model.cfg.to_dict(),
+            "manifest_fingerprint": run.fingerprint, "samples": len(run.lengths),
+            "started_over": run.started_over, "draft_config": run.model.cfg.to_dict(),
             "schedule": checkpoint.schedule(run.cfg.train)})
     if run.rt.world > 1:
         dist.barrier()

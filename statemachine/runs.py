@@ -257,11 +257,17 @@ def resolve(registry: Registry, name: str) -> Run:
     return found[0]
 
 
+def node_folders(cfg: Config) -> tuple[str, ...]:
+    """The folders a run of this node holds its own data in: on a shard that does not train,
+    not the train folder, which every shard shares and only the training node writes."""
+    return FOLDERS if cfg.shard.trains else tuple(k for k in FOLDERS if k != "train_dir")
+
+
 def forget(cfg: Config, name: str, reason: str) -> tuple[Run, int]:
     """Delete a set-aside run's data and mark it forgotten; returns it and the bytes freed.
     Nothing that is or holds one of `cfg`'s [paths] (the spool included) or another run's
-    folder is deleted. ValueError for the current run, an unknown one or one forgotten
-    already."""
+    folder is deleted, nor, on a shard that does not train, anything of the train folder.
+    ValueError for the current run, an unknown one or one forgotten already."""
     if not reason.strip():
         raise ValueError("forgetting a run needs --reason")
     state_root = cfg.paths.state_dir
@@ -274,7 +280,7 @@ def forget(cfg: Config, name: str, reason: str) -> tuple[Run, int]:
         if run.forgotten:
             raise ValueError(f"{run.id} was forgotten already: {run.forgotten}")
         import shutil
-        doomed = owned(reg, run, roots=tuple(cfg.paths))
+        doomed = owned(reg, run, node_folders(cfg), roots=tuple(cfg.paths))
         freed = sum(_size(p) for p in doomed)
         for path in doomed:
             if path.is_dir() and not path.is_symlink():

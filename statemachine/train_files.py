@@ -23,6 +23,7 @@ from eagle3d.statemachine.atomic import atomic_write_bytes
 # from an empty compile cache), which would otherwise read as a trainer stuck at step 0.
 LOADING, STARTING, TRAINING, EXPORTING, DONE = "loading", "starting", "training", "exporting", \
     "done"
+TRAINS = (LOADING, STARTING, TRAINING)  # before the export
 
 # progress.json's `data_wait`: the share of the trainer's recent time spent waiting for batches
 # from the dataset. Past this share the reader, not the GPU, sets the pace: the trainer's log
@@ -44,12 +45,14 @@ def _write(path: Path, doc: dict[str, Any]) -> None:
 
 class ProgressWriter:
     """The trainer's end of `progress.json`, rewritten at most once a second (and at every
-    change of status); `since` is the wall-clock time the status began."""
+    change of status); `since` is the wall-clock time the status began; `started_over` why
+    the training began at step 0 beside a checkpoint it could not resume, or None."""
 
     def __init__(self, train_dir: Path, fingerprint: str, total_steps: int = 0) -> None:
         self.path, self.fingerprint, self.total_steps = layout.progress_file(train_dir), \
             fingerprint, total_steps
         self.last_write, self.status, self.since = 0.0, "", 0.0
+        self.started_over: str | None = None
 
     def write(self, status: str, force: bool = True, **fields: Any) -> None:
         now = time.monotonic()
@@ -61,7 +64,8 @@ class ProgressWriter:
         _write(self.path, {"status": status, "since": self.since, "step": 0,
                            "total_steps": self.total_steps, "epoch": 0, "loss": None, "acc": [],
                            "tokens_per_s": 0.0, "eta_s": None,
-                           "manifest_fingerprint": self.fingerprint, **fields})
+                           "manifest_fingerprint": self.fingerprint,
+                           "started_over": self.started_over, **fields})
 
 
 def read_progress(train_dir: Path) -> dict[str, Any]:

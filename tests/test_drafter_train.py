@@ -140,10 +140,27 @@ def test_a_checkpoint_of_an_earlier_weight_layout_is_not_resumed(tmp_path, caplo
             "schedule": checkpoint.schedule(train)}
     checkpoint.save(tmp_path, 3, {**made, "model": {
         "midlayer.self_attn.q_proj.weight": torch.zeros(4, 8)}})
-    assert checkpoint.latest(tmp_path, "m", shape, now, train) is None
+    assert checkpoint.latest(tmp_path, "m", 1, shape, now, train)[0] is None
     assert "lays the drafter's weights out otherwise" in caplog.text
     checkpoint.save(tmp_path, 4, {**made, "model": now})
-    assert checkpoint.latest(tmp_path, "m", shape, now, train)["model"].keys() == now.keys()
+    assert checkpoint.latest(tmp_path, "m", 1, shape, now, train)[0]["model"].keys() == now.keys()
+
+
+def test_a_retraining_resumes_its_own_checkpoint_beside_higher_steps_of_the_old_manifest(
+        tmp_path):
+    """A grown manifest trains from step 0 beside the old manifest's checkpoints of higher
+    steps: the newest checkpoint is the one written last, not the highest step, so a restart
+    of the retraining resumes its own (and its first save does not prune it away)."""
+    import torch
+    from eagle3d.drafter import checkpoint
+    shape, train = {"draft": 1}, TrainConfig()
+    now = {"fc.weight": torch.zeros(2, 2)}
+    made = {"draft_config": shape, "schedule": checkpoint.schedule(train), "model": now}
+    for step in (8, 10):
+        checkpoint.save(tmp_path, step, {**made, "manifest_fingerprint": "old", "step": step})
+    checkpoint.save(tmp_path, 2, {**made, "manifest_fingerprint": "grown", "step": 2})
+    state, why = checkpoint.latest(tmp_path, "grown", 1, shape, now, train)
+    assert why is None and state["step"] == 2
 
 
 class _Planted:
@@ -167,7 +184,7 @@ def test_a_checkpoint_that_would_run_code_is_not_loaded(tmp_path, caplog):
     checkpoint.save(tmp_path / "ckpt", 2, {
         "manifest_fingerprint": "m", "draft_config": shape, "model": now,
         "schedule": checkpoint.schedule(train), "payload": _Planted(marker)})
-    assert checkpoint.latest(tmp_path / "ckpt", "m", shape, now, train) is None
+    assert checkpoint.latest(tmp_path / "ckpt", "m", 1, shape, now, train)[0] is None
     assert not marker.exists()
     assert "holds more than tensors and plain values" in caplog.text
     assert "starting over" in caplog.text
@@ -186,13 +203,56 @@ def test_a_checkpoint_is_not_resumed_under_another_schedule(tmp_path, caplog, ch
     now = {"fc.weight": torch.zeros(2, 2)}
     made = {"manifest_fingerprint": "m", "draft_config": shape, "model": now}
     checkpoint.save(tmp_path, 2, made)
-    assert checkpoint.latest(tmp_path, "m", shape, now, train) is None
+    assert checkpoint.latest(tmp_path, "m", 1, shape, now, train)[0] is None
     checkpoint.save(tmp_path, 3, {**made, "schedule": checkpoint.schedule(train)})
-    assert checkpoint.latest(tmp_path, "m", shape, now, train)["model"].keys() == now.keys()
+    assert checkpoint.latest(tmp_path, "m", 1, shape, now, train)[0]["model"].keys() == now.keys()
     caplog.clear()
-    assert checkpoint.latest(tmp_path, "m", shape, now, train._replace(**change)) is None
+    assert checkpoint.latest(tmp_path, "m", 1, shape, now, train._replace(**change))[0] is None
     assert "was made under other [train] settings" in caplog.text
     assert "starting over" in caplog.text
+
+
+def fewer_verified(where: Path, data_root: Path, keep: int) -> Path:
+    """A copy of the fixture as it stood before the operator raised [data] limit: only its
+    first `keep` samples verified (the others excluded) and listed in the manifest. The dumps
+    are the fixture's own files (hard links)."""
+    import os
+    import shutil
+    from eagle3d.dataset import contract as contract_mod
+    from eagle3d.statemachine import layout, manifest as manifest_mod
+    from eagle3d.statemachine.ledger import Ledger
+    shutil.copytree(data_root / "state", where / "state")
+    shutil.copytree(data_root / "dataset", where / "dataset", copy_function=os.link)
+    dataset = where / "dataset"
+    with Ledger(layout.ledger(where / "state")) as ledger:
+        ledger.exclude([s["id"] for s in manifest_mod.read(dataset)["samples"][keep:]], "test")
+        manifest_mod.write(dataset, manifest_mod.build(ledger, contract_mod.read(dataset)))
+    return where
+
+
+@pytest.mark.slow
+def test_a_grown_manifest_trains_from_step_0_and_says_why(tmp_path, data_root):
+    """A raised [data] limit grows the manifest; the drafter's checkpoint is of the smaller one
+    (its vocabulary and batches), so training starts over at step 0, and the trainer says why in
+    progress.json (what eagle3ctl status shows) and in its checkpoints, so that a restart
+    during that training still says it."""
+    import torch
+    settings = {**SMALL, "max_steps": 2, "checkpoint_every": 2}
+    before = fewer_verified(tmp_path / "before", data_root, 16)
+    run = subprocess.run(train_cmd(write_config(tmp_path, before, settings)),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    train = tmp_path / "train"
+    assert json.loads((train / "progress.json").read_text())["started_over"] is None
+    grown = subprocess.run(train_cmd(write_config(tmp_path, data_root, settings)),
+                           capture_output=True, text=True, timeout=600)
+    assert grown.returncode == 0, grown.stderr[-3000:]
+    why = "the manifest grew from 16 to 32 samples (a raised [data] limit)"
+    assert why in grown.stderr and "starting over" in grown.stderr
+    assert [r["step"] for r in metrics(train)] == [1, 2]
+    assert json.loads((train / "progress.json").read_text())["started_over"] == why
+    state = torch.load(train / "checkpoints" / "step-00000002" / "state.pt", weights_only=True)
+    assert state["started_over"] == why and state["samples"] == 32
 
 
 @pytest.mark.slow

@@ -136,6 +136,35 @@ def test_forget_never_deletes_a_root_or_another_runs_folder_inside_the_run_in_pl
     assert {folder: _files(folder) for folder in kept} == kept
 
 
+def test_forget_on_a_shard_that_does_not_train_leaves_the_shared_train_folder(config_factory):
+    """A shard's folders from before runs existed are its first run, in place, and its
+    train_dir is the shared one, which only the training node writes. Once a start with another
+    contract has set that run aside, forgetting it on the shard deletes the shard's own files
+    and not the training node's drafter, checkpoints or progress."""
+    sharded = {"data": {"shards": 3, "shard": 1}}
+    old = load_config(config_factory(sharded))
+    prepare_dirs(old)
+    write_in_force(old)
+    Ledger(layout.ledger(old.paths.state_dir)).close()
+    (old.paths.dataset_dir / "shard-00000").mkdir()
+    (old.paths.dataset_dir / "shard-00000" / "x.safetensors").write_bytes(b"a" * 4096)
+    train = old.paths.train_dir  # the training node's, trained in place
+    for part, text in ((layout.progress_file(train), "{}"),
+                       (layout.checkpoint_dir(train) / "step-00000004" / "state.pt", "w"),
+                       (layout.export_dir(train) / "config.json", "{}")):
+        part.parent.mkdir(parents=True, exist_ok=True)
+        part.write_text(text)
+    trained = _files(train)
+    path = config_factory({**sharded, "target": {"dtype": "bfloat16"}})
+    selected = run_select.select(load_config(path))
+    first = next(r for r in runs.read(old.paths.state_dir).runs.values() if r.in_place)
+    assert selected.run.id != first.id and first.train_dir == train
+    forgot = ctl(path, "forget", first.id, "--reason", "old target")
+    assert forgot.returncode == 0, forgot.stderr
+    assert not (old.paths.dataset_dir / "shard-00000").exists()
+    assert _files(train) == trained
+
+
 def test_a_reload_refuses_nested_paths_naming_the_key(config_factory):
     path = config_factory()
     daemon = Daemon(load_config(path))

@@ -251,6 +251,40 @@ def test_the_training_nodes_status_exits_8_for_a_shard_stale_stopped_failed_or_w
     assert json.loads(ctl(one.path, "status", "--json").stdout)["shards_down"] == []
 
 
+def test_the_training_nodes_status_exits_8_for_a_shard_never_heard_from(tmp_path):
+    """A shard that never published its state (never started, started on another host's
+    folder, or cannot reach the shared one) is as lost as a dead one: once this node's daemon
+    has expected it past the stale bound, status exits 8 naming it and how long it has been
+    expected; before that, a shard still starting up pages nobody."""
+    import os
+
+    from eagle3d.daemon.ctl import SHARD_DOWN, SHARD_STALE_S
+    from tests.pipeline import ctl
+    config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
+    cfg = load_config(config)
+    cfg.paths.state_dir.mkdir(parents=True)
+    root = tmp_path / "dataset"
+    publish(root, 1, 3)
+
+    def own_daemon_started(ago: float) -> None:
+        write_state(cfg.paths.state_dir, {
+            "stage": "verify", "underlying": "verify", "reason": "waiting for shards",
+            "daemon": {"pid": os.getpid(), "alive": True, "started": time.time() - ago,
+                       "heartbeat": time.time() + 3600}})  # fresh while the test runs
+
+    own_daemon_started(SHARD_STALE_S / 2)
+    starting = ctl(config, "status")
+    assert starting.returncode == 0, starting.stdout + starting.stderr
+    own_daemon_started(2 * 3600 + 60)
+    shown = ctl(config, "status")
+    assert shown.returncode == SHARD_DOWN, shown.stdout + shown.stderr
+    line = next(x for x in shown.stdout.splitlines() if "shard-2-of-3:" in x)
+    assert "never heard from: expected for 2h 01m" in line
+    assert str(root / "shard-2-of-3") in line
+    assert json.loads(ctl(config, "status", "--json").stdout)["shards_down"] == [
+        f"shard-2-of-3: {line.split(' · ')[-1]}"]
+
+
 def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_path):
     from eagle3d.daemon.shard_gate import ShardGate
     from eagle3d.dataset import contract

@@ -240,3 +240,36 @@ def test_a_switch_keeps_the_watchdog_and_status_going_while_the_trainer_checkpoi
     heartbeats = [beat for _, _, beat in shown]
     assert heartbeats == sorted(set(heartbeats)), "the heartbeat stood still"
     assert len(pings) >= 8 and max(b - a for a, b in zip(pings, pings[1:])) < 3, pings
+
+
+def test_a_request_sent_as_the_runs_switch_is_answered_never_lost(pipeline):
+    """eagle3ctl drops a request into the control folder of the run it found in force; a switch
+    can set that run aside before the daemon reads it. Each such request is answered with a
+    refusal that says why and that nothing was done: one sent while the switch stops the old
+    run's stages, one that lands as the switch ends, and one that lands after it."""
+    from eagle3d.daemon import requests
+    cfg, daemon, engines, stops, children, tick_until, lines, seen, _ = pipeline
+    children(trainer_runs=True, checkpoint_s=3.0)
+    tick_until(lambda: any(line.startswith("train") for line in lines()), "the trainer at work")
+    first = daemon.current
+    edit_config(cfg.path, "target", dtype="bfloat16")
+    daemon.reload()
+    during = control.submit(first.state_dir, "pause", {"reason": "during"})
+    daemon.tick()
+    assert daemon.switching is not None and daemon.switching.stopper.is_alive()
+    reply = control.wait_ack(first.state_dir, during, 5)
+    assert reply is not None and not reply["ok"], reply
+    assert "switching runs" in reply["message"] and "nothing was done" in reply["message"]
+    daemon.switching.stopper.join()
+    late = control.submit(first.state_dir, "pause", {"reason": "late"})
+    daemon.tick()  # the switch ends
+    assert daemon.current.id != first.id
+    later = control.submit(first.state_dir, "retry", {"ids": [], "all_failed": True})
+    tick_until(lambda: all((layout.control_dir(first.state_dir) / f"{name}.ack.json").exists()
+                           for name in (late, later)), "the answers")
+    for name in (late, later):
+        reply = control.wait_ack(first.state_dir, name, 1)
+        assert reply is not None and not reply["ok"], reply
+        assert f"run {first.id} is set aside" in reply["message"], reply
+        assert daemon.current.id in reply["message"] and "nothing was done" in reply["message"]
+    assert requests.operator_pause(cfg.paths.state_dir) is None

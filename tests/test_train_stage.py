@@ -268,3 +268,37 @@ def test_a_tick_hashes_no_settings_and_lists_no_versions_folder(stage):
     monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(0))
     step_until_idle(stage)  # sets that drafter aside
     assert [v["key"] for v in stage.status()["versions"]] == ["0" * 8]
+
+
+def published(stage: TrainStage, state_dir) -> dict:
+    """The stage's status as eagle3ctl reads it: through the state file."""
+    from eagle3d.statemachine.statefile import read_state, write_state
+    write_state(state_dir, {"stage": "train", stage.state_key: stage.status()})
+    return read_state(state_dir)[0][stage.state_key]
+
+
+def test_status_says_why_training_started_over_from_step_0_while_it_trains(stage):
+    """A raised [data] limit grows the manifest: the trainer cannot resume the drafter's
+    checkpoint and starts at step 0 beside a drafter that was done. Status says why while that
+    training runs (step 0 alone reads as lost progress), and no more once it is done."""
+    from eagle3d.daemon import stage_views
+    stage, cfg, monkeypatch = stage
+    why = "the manifest grew from 4 to 6 samples (a raised [data] limit)"
+    go = cfg.paths.train_dir / "go"
+    trains = (f"from eagle3d.statemachine import train_files\nimport os, time\n"
+              f"p = train_files.ProgressWriter({str(cfg.paths.train_dir)!r}, {FINGERPRINT!r}, 9)\n"
+              f"p.started_over = {why!r}\np.write(train_files.TRAINING, step=2, loss=1.0)\n"
+              f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+              f"p.write(train_files.DONE, step=9, loss=1.0)")
+    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(0, trains))
+    view = next(v for v in stage_views.VIEWS if v.key == stage.state_key)
+    stage.step(TRAIN)
+    trainer = wait_for(lambda: (t := published(stage, cfg.paths.state_dir)).get("started_over")
+                       and t, 30, "the trainer's progress")
+    assert trainer["started_over"] == why  # eagle3ctl status --json
+    assert f"retrain   training started over from step 0: {why}" in view.lines(trainer)
+    go.touch()
+    wait_for(lambda: stage.step(TRAIN) or stage.child is None, 30, "the trainer's exit")
+    trainer = published(stage, cfg.paths.state_dir)
+    assert trainer["step"] == 9 and "started_over" not in trainer
+    assert not [line for line in view.lines(trainer) if line.startswith("retrain")]
