@@ -258,7 +258,7 @@ def test_the_training_nodes_status_exits_8_for_a_shard_never_heard_from(tmp_path
     expected; before that, a shard still starting up pages nobody."""
     import os
 
-    from eagle3d.daemon.ctl import SHARD_DOWN, SHARD_STALE_S
+    from eagle3d.ctl.main import SHARD_DOWN, SHARD_STALE_S
     from tests.pipeline import ctl
     config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
     cfg = load_config(config)

@@ -281,7 +281,7 @@ def test_status_says_why_training_started_over_from_step_0_while_it_trains(stage
     """A raised [data] limit grows the manifest: the trainer cannot resume the drafter's
     checkpoint and starts at step 0 beside a drafter that was done. Status says why while that
     training runs (step 0 alone reads as lost progress), and no more once it is done."""
-    from eagle3d.daemon import stage_views
+    from eagle3d.ctl import stage_views
     stage, cfg, monkeypatch = stage
     why = "the manifest grew from 4 to 6 samples (a raised [data] limit)"
     go = cfg.paths.train_dir / "go"
