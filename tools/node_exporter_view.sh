@@ -38,17 +38,19 @@ PY
 .venv/bin/eagle3d run -c "$out/view.toml" --until done >"$out/daemon.log" 2>&1 &
 pids+=($!)
 
-port=$(.venv/bin/python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+port=$(.venv/bin/python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0))
+print(s.getsockname()[1])")
 "$exporter" --web.listen-address="127.0.0.1:$port" --collector.disable-defaults \
     --collector.textfile --collector.textfile.directory="$out/textfile" >"$out/exporter.log" 2>&1 &
 pids+=($!)
 
 # Training under way, a few steps in: every family the file has is filled by then.
-until grep -qE '^eagle3d_train_step\{[^}]*\} ([5-9]|[1-9][0-9]+)$' "$out/textfile/eagle3d.prom" 2>/dev/null; do
+step='^eagle3d_train_step\{[^}]*\} ([5-9]|[1-9][0-9]+)$'
+until grep -qE "$step" "$out/textfile/eagle3d.prom" 2>/dev/null; do
     kill -0 "${pids[0]}" || { tail -20 "$out/daemon.log"; exit 1; }
     sleep 2
 done
 curl -sf "http://127.0.0.1:$port/metrics" >"$out/metrics.txt"
-echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) curl http://127.0.0.1:$port/metrics  (tools/node_exporter_view.sh)"
+echo "# $(date -u +%Y-%m-%dT%H:%M:%SZ) curl http://127.0.0.1:$port/metrics"
 grep -E '^(eagle3d_|node_textfile_scrape_error)' "$out/metrics.txt"
 grep -qx 'node_textfile_scrape_error 0' "$out/metrics.txt"
