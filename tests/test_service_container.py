@@ -174,6 +174,15 @@ def test_start_returns_once_the_daemon_is_ready(service: Container):
                                                     check=False).stdout
 
 
+def test_tab_completes_the_installed_eagle3ctl(service: Container):
+    """The file `make install` put where bash-completion looks, sourced as bash-completion does
+    at an operator's first Tab on eagle3ctl."""
+    out = service.sh("source /usr/share/bash-completion/completions/eagle3ctl && "
+                     "COMP_WORDS=(eagle3ctl st) COMP_CWORD=1 && _shtab_eagle3ctl && "
+                     'echo "${COMPREPLY[@]}"', user=OPERATOR)
+    assert out.stdout.split() == ["status"], out.stdout + out.stderr
+
+
 def test_status_as_operator_in_the_group_and_not_as_a_stranger(service: Container):
     wait_for("the plan", lambda: planned(status(service)) == FIRST_LIMIT, 300, service)
     as_operator = status(service, OPERATOR)
