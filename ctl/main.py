@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3d.ctl import stage_views
+from eagle3d.daemon.completion import add_completion_option
 from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, pointer
 from eagle3d.statemachine.config import DERIVED, Config, ConfigError, human_bytes, load_config
@@ -591,6 +592,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     milliseconds of every `eagle3ctl status`."""
     p = argparse.ArgumentParser(prog="eagle3ctl", description=__doc__, formatter_class=_formatter)
     p.add_argument("--version", action="version", version=f"eagle3ctl {VERSION}")
+    add_completion_option(p)
     p.add_argument("-c", "--config", default=os.environ.get("EAGLE3D_CONFIG", DEFAULT_CONFIG),
                    help=f"config file (default {DEFAULT_CONFIG} or $EAGLE3D_CONFIG)")
     sub = p.add_subparsers(dest="command", required=True, parser_class=functools.partial(

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from eagle3d.daemon.completion import add_completion_option
 from eagle3d.statemachine.logs import setup_logging
 from eagle3d.statemachine.stages import ORDER
 from eagle3d.statemachine.version import VERSION
@@ -17,6 +18,7 @@ DEFAULT_CONFIG = "/etc/eagle3d/eagle3d.toml"
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="eagle3d", description=__doc__)
     parser.add_argument("--version", action="version", version=f"eagle3d {VERSION}")
+    add_completion_option(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run the pipeline daemon in the foreground")
     run.add_argument("--until", choices=ORDER,

@@ -9,6 +9,7 @@
 #   /usr/lib/tmpfiles.d/eagle3d.conf    the spool /dev/shm/eagle3d, the service's before anyone's
 #   /data/eagle3d/{dataset,train}       the folders the unit lets the service write
 #   /usr/local/bin/eagle3ctl            the status tool, linked from the venv
+#   /usr/share/bash-completion/completions/eagle3ctl  its bash completion (systemd/paths.sh)
 #   user and group eagle3d              the service's own, with the GPU device groups
 # Environment: PYTHON (python3) builds the venv; EXTRAS (engine,sglang) are the extras installed.
 # DESTDIR stages the files under another root for a package or image build: no user, no
@@ -76,6 +77,14 @@ remove_legacy "$DESTDIR"
 # eagle3ctl on the operators' PATH; the daemon itself is started by the unit only.
 install -d "$DESTDIR/usr/local/bin"
 ln -sfn "$VENV/bin/eagle3ctl" "$DESTDIR/usr/local/bin/eagle3ctl"
+# Its completion, drawn from the installed eagle3ctl's own parser when bash-completion first
+# loads it (one Tab per shell): written so, it holds no copy that an upgrade would leave stale,
+# and it needs no venv when staging.
+install -d "$DESTDIR$COMPLETION_DIR"
+cat >"$DESTDIR$COMPLETION_DIR/eagle3ctl" <<EOF
+# eagle3d: eagle3ctl's completion, from the installed program's parser (systemd/install.sh)
+eval "\$($VENV/bin/eagle3ctl --print-completion bash)"
+EOF
 
 if ! staging && [[ -d /run/systemd/system ]]; then
     systemctl daemon-reload

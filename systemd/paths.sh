@@ -1,12 +1,15 @@
-# Where the distribution keeps units and tmpfiles.d entries that packages install (the "vendor"
-# folders; /etc/systemd/system and /etc/tmpfiles.d are the administrator's, for overrides and
-# drop-ins): systemd's pkg-config file says, else the places every systemd distribution has.
-# Sourced by install.sh and uninstall.sh; UNIT_DIR and TMPFILES_DIR may be set to override.
-vendor_dir() {  # VARIABLE FALLBACK
-    pkg-config --variable="$1" systemd 2>/dev/null | grep . || echo "$2"
+# Where the distribution keeps units, tmpfiles.d entries and bash completions that packages
+# install (the "vendor" folders; /etc/systemd/system and /etc/tmpfiles.d are the administrator's,
+# for overrides and drop-ins): systemd's and bash-completion's pkg-config files say, else the
+# places every such distribution has. Sourced by install.sh and uninstall.sh; UNIT_DIR,
+# TMPFILES_DIR and COMPLETION_DIR may be set to override.
+vendor_dir() {  # PACKAGE VARIABLE FALLBACK
+    pkg-config --variable="$2" "$1" 2>/dev/null | grep . || echo "$3"
 }
-UNIT_DIR=${UNIT_DIR:-$(vendor_dir systemdsystemunitdir /usr/lib/systemd/system)}
-TMPFILES_DIR=${TMPFILES_DIR:-$(vendor_dir tmpfilesdir /usr/lib/tmpfiles.d)}
+UNIT_DIR=${UNIT_DIR:-$(vendor_dir systemd systemdsystemunitdir /usr/lib/systemd/system)}
+TMPFILES_DIR=${TMPFILES_DIR:-$(vendor_dir systemd tmpfilesdir /usr/lib/tmpfiles.d)}
+COMPLETION_DIR=${COMPLETION_DIR:-$(vendor_dir bash-completion completionsdir \
+    /usr/share/bash-completion/completions)}
 # Where installs before 2026-12-06 put them; a file there overrides the vendor one.
 LEGACY_UNIT=/etc/systemd/system/eagle3d.service
 LEGACY_TMPFILES=/etc/tmpfiles.d/eagle3d.conf

@@ -20,7 +20,7 @@ if [[ -z $DESTDIR && -d /run/systemd/system ]]; then
 fi
 rm -f "$DESTDIR$UNIT_DIR/eagle3d.service" "$DESTDIR$TMPFILES_DIR/eagle3d.conf"
 remove_legacy "$DESTDIR"
-rm -f "$DESTDIR/usr/local/bin/eagle3ctl"
+rm -f "$DESTDIR/usr/local/bin/eagle3ctl" "$DESTDIR$COMPLETION_DIR/eagle3ctl"
 rm -rf "$DESTDIR/opt/eagle3d"
 # The spool of the production config: dumps not yet ingested, which the ledger has put back to
 # extract again. A spool_dir elsewhere is left to the operator.

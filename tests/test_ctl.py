@@ -50,12 +50,12 @@ def test_status_imports_nothing_heavy():
 
 def test_status_imports_only_what_it_shows():
     """Modules that cost milliseconds at import and that status never uses stay out of it:
-    dataclasses (with inspect and ast), hashlib, json (only --json needs it) and signal (its
-    enums)."""
+    dataclasses (with inspect and ast), hashlib, json (only --json needs it), signal (its
+    enums) and shtab (importlib.metadata: only --print-completion needs it)."""
     code = ("import sys; from eagle3d.ctl.main import main; "
             "import contextlib, io; sys.argv=['eagle3ctl','-c','etc/demo.toml','status'];"
             "\nwith contextlib.redirect_stdout(io.StringIO()):\n    main(sys.argv[1:])\n"
-            "print([m for m in ('dataclasses', 'inspect', 'hashlib', 'json', 'signal') "
+            "print([m for m in ('dataclasses', 'inspect', 'hashlib', 'json', 'signal', 'shtab') "
             "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True,
                          text=True, cwd=Path(__file__).resolve().parents[1], timeout=60)

@@ -72,5 +72,7 @@ def test_the_readme_sets_up_with_exactly_two_commands():
 
 def test_the_readme_is_a_front_page():
     text = README.read_text()
-    assert len(text.splitlines()) <= 200, "dated results belong in docs/results/"
+    # 200 lines of prose and tables, and the one screenshot issue 54 asks the README to show
+    # (node_exporter's /metrics, 25 lines): anything else dated belongs in docs/results/.
+    assert len(text.splitlines()) <= 225, "dated results belong in docs/results/"
     assert not COMMIT.findall(text), "no commit hashes in the README"

@@ -35,6 +35,9 @@ PRUNED = ("/proc", "/sys", "/dev", "/run", "/tmp", "/var/tmp", "/var/log", "/var
           "/opt/pypi-more")
 FILES = ("find / -xdev \\( " + " -o ".join(f"-path {p}" for p in PRUNED) +
          " \\) -prune -o -print | sort")
+# node_exporter's textfile folder, which the unit may write where it exists when the service
+# starts: made before the install, as a machine with node_exporter has it.
+TEXTFILE_DIR = "/var/lib/node_exporter/textfile"
 # What uninstall.sh says it keeps.
 KEPT = ("/etc/eagle3d", "/etc/systemd/system/eagle3d.service.d", "/var/lib/eagle3d",
         "/data/eagle3d")
@@ -54,7 +57,7 @@ def service_config(limit: int, **changes: dict[str, Any]) -> str:
                         checkpoint_every=3)
     doc["eval"].update(limit=2, max_new_tokens=8, steps=2)
     for section, values in changes.items():
-        doc[section].update(values)
+        doc.setdefault(section, {}).update(values)
     return tomli_w.dumps(doc)
 
 
@@ -88,6 +91,7 @@ def install(machine: Container) -> None:
     machine.sh("mkdir /root/eagle3d && tar -C /src --exclude=./.git --exclude=./.venv "
                "--exclude=./.container --exclude=./var -cf - . | tar -C /root/eagle3d -xf -")
     machine.sh(f"useradd -m {OPERATOR} && useradd -m {STRANGER}")
+    machine.sh(f"install -d {TEXTFILE_DIR}")
     machine.sh(f"{FILES} > /root/before-install.txt")
     # The CPU build of torch first: the engine extra alone would pull the multi-GB CUDA build
     # (docs/operations.md, "A machine without a GPU"). SGLang needs a GPU: left out.
@@ -101,6 +105,7 @@ def install(machine: Container) -> None:
     write(machine, "/etc/systemd/system/eagle3d.service.d/test.conf", DROP_IN)
     machine.sh("systemctl daemon-reload")
     machine.sh(f"usermod -aG eagle3d {OPERATOR}")  # the group exists once installed
+    machine.sh(f"chgrp eagle3d {TEXTFILE_DIR} && chmod 0775 {TEXTFILE_DIR}")
 
 
 def write(c: Container, path: str, text: str, mode: str = "0644", group: str = "root") -> None:
@@ -169,6 +174,15 @@ def test_start_returns_once_the_daemon_is_ready(service: Container):
                                                     check=False).stdout
 
 
+def test_tab_completes_the_installed_eagle3ctl(service: Container):
+    """The file `make install` put where bash-completion looks, sourced as bash-completion does
+    at an operator's first Tab on eagle3ctl."""
+    out = service.sh("source /usr/share/bash-completion/completions/eagle3ctl && "
+                     "COMP_WORDS=(eagle3ctl st) COMP_CWORD=1 && _shtab_eagle3ctl && "
+                     'echo "${COMPREPLY[@]}"', user=OPERATOR)
+    assert out.stdout.split() == ["status"], out.stdout + out.stderr
+
+
 def test_status_as_operator_in_the_group_and_not_as_a_stranger(service: Container):
     wait_for("the plan", lambda: planned(status(service)) == FIRST_LIMIT, 300, service)
     as_operator = status(service, OPERATOR)
@@ -184,6 +198,51 @@ def test_status_as_operator_in_the_group_and_not_as_a_stranger(service: Containe
     assert stranger.returncode != 0
     assert "Permission denied" in stranger.stderr + stranger.stdout
     assert "Traceback" not in stranger.stderr
+
+
+def test_a_fatal_it_cannot_heal_reaches_systemd_and_the_metrics(service: Container):
+    """A child's restarts used up (every limit 0: its first crash is FATAL) keeps the unit
+    running, by the decision in docs/operations.md, and says so where systemd-level monitoring
+    looks: the unit's STATUS begins with `failed` and gives the reason, eagle3ctl status exits
+    1, and the textfile node_exporter reads has eagle3d_stage{stage="failed"} 1."""
+    textfile = f"{TEXTFILE_DIR}/eagle3d.prom"
+    no_restarts = {"data": {"planner_max_restarts": 0}, "generate": {"max_restarts": 0},
+                   "extract": {"engine_max_restarts": 0}, "train": {"max_restarts": 0}}
+    write(service, CONFIG, service_config(FIRST_LIMIT, metrics={"textfile": textfile},
+                                          **no_restarts), mode="0640", group="eagle3d")
+    service.sh("systemctl reload eagle3d")
+    before = show(service, "MainPID", "NRestarts")
+
+    def crash_a_child() -> dict[str, Any] | None:
+        """The failed pipeline once there; until then, SIGKILL to whichever child is at work."""
+        st = status(service)
+        if st["stage"] == "failed":
+            return st
+        for child in ("planner", "generate", "engine", "trainer"):
+            if st.get(child, {}).get("pid"):
+                service.sh(f"kill -9 {st[child]['pid']}", check=False)
+        return None
+
+    st = wait_for("the FATAL", crash_a_child, 300, service)
+    assert "max_restarts = 0" in st["reason"], st["reason"]
+    p = show(service, "ActiveState", "SubState", "MainPID", "NRestarts", "StatusText")
+    assert (p["ActiveState"], p["SubState"]) == ("active", "running"), p
+    assert (p["MainPID"], p["NRestarts"]) == (before["MainPID"], before["NRestarts"]), p
+    assert p["StatusText"].startswith("failed") and st["reason"] in p["StatusText"], p
+    assert service.sh("eagle3ctl status", check=False).returncode == 1
+    failed = f'eagle3d_stage{{run="{st["run"]["id"]}",stage="failed"}} 1'
+    wait_for("the FATAL in the metrics textfile", lambda: failed in service.sh(
+        f"cat {textfile}", check=False).stdout.splitlines(), 30, service)
+
+    # The operator's way out: the limits back, and a retry.
+    write(service, CONFIG, service_config(FIRST_LIMIT), mode="0640", group="eagle3d")
+    service.sh("systemctl reload eagle3d")
+    service.sh("eagle3ctl retry --failed", user="eagle3d")  # the control folder is the service's
+    wait_for("the pipeline again", lambda: status(service)["stage"] != "failed", 120, service)
+    # What the metrics-less config leaves, for uninstall's test: removed once no longer written.
+    wait_for("the textfile left alone", lambda: service.sh(
+        f"rm -f {textfile}; sleep 3; test ! -e {textfile}", check=False).returncode == 0,
+        60, service)
 
 
 def test_reload_switches_runs_refuses_an_invalid_file_and_switches_back(service: Container):

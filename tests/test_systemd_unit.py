@@ -147,12 +147,15 @@ def test_a_single_node_unit_takes_no_packet_from_another_machine():
     assert "[Service]\nIPAddressAllow=10.0.0.0/8" in docs
 
 
-def vendor_paths(root: Path) -> tuple[Path, Path]:
-    """The unit and tmpfiles entry in the distribution's folders under `root` (paths.sh)."""
-    out = subprocess.run(["bash", "-c", "source systemd/paths.sh; echo $UNIT_DIR $TMPFILES_DIR"],
+def vendor_paths(root: Path) -> tuple[Path, Path, Path]:
+    """The unit, tmpfiles entry and eagle3ctl's bash completion in the distribution's folders
+    under `root` (paths.sh)."""
+    out = subprocess.run(["bash", "-c", "source systemd/paths.sh; "
+                          "echo $UNIT_DIR $TMPFILES_DIR $COMPLETION_DIR"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     assert out[0].endswith("/systemd/system") and not out[0].startswith("/etc"), out
-    return root / out[0].lstrip("/") / "eagle3d.service", root / out[1].lstrip("/") / "eagle3d.conf"
+    return (root / out[0].lstrip("/") / "eagle3d.service",
+            root / out[1].lstrip("/") / "eagle3d.conf", root / out[2].lstrip("/") / "eagle3ctl")
 
 
 def make(target: str, destdir: Path) -> subprocess.CompletedProcess:
@@ -168,8 +171,11 @@ def test_install_keeps_an_edited_config_and_uninstall_keeps_the_data(tmp_path):
     legacy.write_text(UNIT.read_text())
     make("install", root)
     assert not legacy.exists()
-    unit, tmpfiles = vendor_paths(root)
+    unit, tmpfiles, completion = vendor_paths(root)
     assert unit.read_text() == UNIT.read_text() and tmpfiles.read_text() == TMPFILES.read_text()
+    # bash-completion loads it at the first Tab on eagle3ctl: the installed program's own script.
+    assert "/opt/eagle3d/bin/eagle3ctl --print-completion bash" in completion.read_text()
+    assert subprocess.run(["bash", "-n", str(completion)]).returncode == 0
     config = root / "etc/eagle3d/eagle3d.toml"
     assert config.read_text() == TEMPLATE.read_text()
     assert config.stat().st_mode & 0o777 == 0o640  # the dataset's location is not world-readable
@@ -187,7 +193,7 @@ def test_install_keeps_an_edited_config_and_uninstall_keeps_the_data(tmp_path):
 
     (root / "data/eagle3d/dataset/shard-000").mkdir()
     make("uninstall", root)
-    assert not unit.exists() and not tmpfiles.exists()
+    assert not unit.exists() and not tmpfiles.exists() and not completion.exists()
     assert not (root / "opt/eagle3d").exists()
     assert not os.path.lexists(root / "usr/local/bin/eagle3ctl")
     assert config.read_text() == edited
