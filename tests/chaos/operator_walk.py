@@ -114,6 +114,11 @@ class World:
     crashes: int = 0
     printed: str = ""                      # the last `--until done` output
     stopped: list[int] = field(default_factory=list)  # children the walk SIGSTOPped
+    # [paths] folders the walk put on file systems of their own (operator_disks.py): the first
+    # part of an edit's value ("state", "dataset") names the folder on its disk
+    moved: dict[str, Path] = field(default_factory=dict)
+    known: list[str] = field(default_factory=list)  # what met a defect fixed on another branch
+    faults: int = 0                        # disk faults the walk did (operator_disks.py)
 
     def alive(self) -> bool:
         return self.daemon is not None and self.daemon.proc.poll() is None
@@ -122,6 +127,24 @@ class World:
         """A [paths] folder as the operator's file names it, read without validating: the file
         may hold what check-config refuses (nested [paths]), and the walk still looks there."""
         return Path(tomllib.loads(self.config.read_text())["paths"][key])
+
+    def place(self, value: str) -> Path:
+        """Where an edit's relative [paths] value lies: under the world's root, or on the disk
+        its first folder was moved to."""
+        head, *rest = Path(value).parts
+        return self.moved.get(head, self.root / head).joinpath(*rest)
+
+    def hold(self) -> str | int:
+        """A [budget] reserve that pauses the daemon after its plan: more than the dataset's
+        disk has free, less than its size. /tmp's is HOLD; a small disk of the walk's own holds a
+        ballast file (operator_disks.py), and half of what is used on it stays within."""
+        if not self.moved:
+            return HOLD
+        anchor = self.folder("dataset_dir")
+        while not anchor.exists():
+            anchor = anchor.parent
+        usage = shutil.disk_usage(anchor)
+        return usage.total - (usage.total - usage.free) // 2
 
     def registry(self) -> runs.Registry:
         return runs.read(self.folder("state_dir"))
@@ -315,7 +338,9 @@ def act_edit(world: World, p: dict[str, Any]) -> str:
     a restart, or nothing yet."""
     section, key, value = p["section"], p["key"], p["value"]
     if section == "paths":
-        value = str(world.root / value)
+        value = str(world.place(value))
+    if key == "reserve" and value == HOLD:
+        value = world.hold()
     if key == "limit":  # the episode's size, or one more
         value = world.n + value
     edit_config(world.config, section, **{key: value})
@@ -509,6 +534,10 @@ class Campaign:
     draw: Callable[[random.Random, str, dict[str, Any]], None]
     check: Callable[[World], None]
     close: Callable[[World], None] = lambda world: None  # what the world holds beyond `close`
+    # puts the world's folders on small real file systems (tests/conftest.py's tmpfs), before
+    # its first action; a campaign that needs none ignores it
+    disks: Callable[[World, Callable[[str, str], Path]], None] = lambda world, mount: None
+    end: Callable[[World], None] = lambda world: None  # invariants of the walk's end
 
 
 def plan(campaign: Campaign, seed: int, length: int) -> list[tuple[str, dict[str, Any]]]:
@@ -637,15 +666,19 @@ class Outcome:
     kept: list[int]                  # the plan's indices walked
     seconds: float
     crashes: int
+    known: list[str] = field(default_factory=list)  # World.known
 
 
 def walk(campaign: Campaign, seed: int, tmp: Path, scale: int, length: int,
-         kept: list[int] | None = None) -> Outcome:
-    """Walk the seed's plan (or only its `kept` indices) on a fresh world under `tmp`."""
+         kept: list[int] | None = None, mount: Callable[[str, str], Path] | None = None) -> Outcome:
+    """Walk the seed's plan (or only its `kept` indices) on a fresh world under `tmp`, its
+    small file systems made by `mount` (tests/conftest.py's tmpfs)."""
     actions = plan(campaign, seed, length)
     kept = list(range(len(actions))) if kept is None else kept
     tmp.mkdir(parents=True, exist_ok=True)
     world = campaign.world(tmp, random.Random(seed), scale)
+    if mount is not None:
+        campaign.disks(world, mount)
     steps: list[str] = []
     t0 = time.time()
     violation, failed_at = None, None
@@ -661,10 +694,17 @@ def walk(campaign: Campaign, seed: int, tmp: Path, scale: int, length: int,
                 steps.append(f"{i}: {name} {_short(p)} -> VIOLATION")
                 break
             steps.append(f"{i}: {name} {_short(p)} -> {did}")
+        if violation is None:
+            try:
+                campaign.end(world)
+            except Violation as v:
+                violation, failed_at = v, kept[-1]
+                steps.append("end -> VIOLATION")
     finally:
         campaign.close(world)
         close(world)
-    return Outcome(campaign.name, seed, steps, violation, failed_at, kept, time.time() - t0, world.crashes)
+    return Outcome(campaign.name, seed, steps, violation, failed_at, kept, time.time() - t0,
+                   world.crashes, world.known)
 
 
 def _short(p: dict[str, Any]) -> str:
@@ -693,7 +733,8 @@ def close(world: World) -> None:
         shutil.rmtree(spool, ignore_errors=True)
 
 
-def shrink(campaign: Campaign, failed: Outcome, tmp: Path, scale: int, length: int, budget_s: float) -> Outcome:
+def shrink(campaign: Campaign, failed: Outcome, tmp: Path, scale: int, length: int, budget_s: float,
+           mount: Callable[[str, str], Path] | None = None) -> Outcome:
     """Delete actions while the same invariant still breaks: first everything after the failing
     step, then one action at a time from the front, within `budget_s` seconds of replays."""
     assert failed.violation is not None and failed.failed_at is not None
@@ -703,7 +744,8 @@ def shrink(campaign: Campaign, failed: Outcome, tmp: Path, scale: int, length: i
     j = 0
     while j < len(kept) - 1 and time.time() < deadline:
         trial = kept[:j] + kept[j + 1:]
-        out = walk(campaign, failed.seed, tmp / f"shrink-{uuid.uuid4().hex[:6]}", scale, length, trial)
+        out = walk(campaign, failed.seed, tmp / f"shrink-{uuid.uuid4().hex[:6]}", scale, length, trial,
+                   mount)
         if out.violation is not None and out.violation.invariant == failed.violation.invariant:
             best, kept = out, [i for i in trial if i <= out.failed_at]
         else:

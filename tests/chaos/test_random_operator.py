@@ -30,9 +30,10 @@ CAMPAIGNS = {c.name: c for c in (operator_walk.OPERATOR, HOSTILE, SHARDS)}
 # [paths] deletes the current run's files (item 1); 14: an operator's pause lost across a run
 # switch (item 16); 10: `eagle3d run --until done` after a switch names no drafter of the
 # current run (item 11; the one walk that trains, about two minutes). Then one walk of each
-# newer campaign whose plan holds no action of OPEN (README: "Open findings").
+# newer campaign whose plan holds no action of OPEN (README: "Open findings"); hostile 51 walks
+# every disk fault (state disk full, state and dataset disk read-only) and ends by training.
 CI_WALKS = [("operator", 12), ("operator", 98), ("operator", 14), ("operator", 10),
-            ("hostile", 3), ("shards", 1)]
+            ("hostile", 51), ("shards", 1)]
 # Actions that meet a defect still being fixed on another branch: walked by chaos-large, kept
 # out of CI's plans (the finding and its seed: /work/notes/chaos-wider-findings.md).
 OPEN: dict[str, str] = {}
@@ -63,17 +64,22 @@ def test_ci_walks_meet_no_open_finding():
 
 
 @pytest.mark.parametrize("campaign,seed", walks())
-def test_random_operator_breaks_no_invariant(campaign, seed, tmp_path, figures):
+def test_random_operator_breaks_no_invariant(campaign, seed, tmp_path, figures, tmpfs,
+                                             unit_umask):
+    """Under the unit's UMask (its files' modes are an invariant: shared servers)."""
     chosen = CAMPAIGNS[campaign]
-    out = operator_walk.walk(chosen, seed, tmp_path / "walk", SCALE, LENGTH, kept_actions())
+    out = operator_walk.walk(chosen, seed, tmp_path / "walk", SCALE, LENGTH, kept_actions(),
+                             tmpfs)
     done = [s for s in out.steps if not s.endswith("-> skip")]
     figures.crashes += out.crashes
     figures.notes.append(f"random operator {campaign} seed {seed}: {len(done)} actions in "
                          f"{out.seconds:.0f} s ({60 * len(done) / max(out.seconds, 1):.1f}/min)"
                          + (f", broke {out.violation.invariant}" if out.violation else ""))
     if out.violation is not None and kept_actions() is None and SHRINK_S > 0:
-        out = operator_walk.shrink(chosen, out, tmp_path, SCALE, LENGTH, SHRINK_S)
+        out = operator_walk.shrink(chosen, out, tmp_path, SCALE, LENGTH, SHRINK_S, tmpfs)
     print(f"{campaign} seed {seed}:\n  " + "\n  ".join(out.steps))  # what it did, with -s
     if out.violation is not None:
         pytest.fail(operator_walk.report(out, SCALE), pytrace=False)
     figures.faults += out.crashes
+    if out.known:  # a check that meets a defect fixed on another branch: green once it merges
+        pytest.xfail("; ".join(out.known))
