@@ -22,7 +22,7 @@ and the single daemon's pace before and after the first shard finished (a change
 
 --model and --source default to the PyPI packages' files; a machine without them (the GPU
 machine, which has no network) names its own copies. `--quick` is a smoke run on any machine
-(60 conversations, so that each shard plans a few samples; one core each, shared where the
+(24 conversations, so that each shard plans a few samples; one core each, shared where the
 machine has fewer than four): it tells that the bench works before a machine's time is spent
 on it, nothing about sharding.
 """
@@ -165,10 +165,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=MODEL, help=f"the target (default {MODEL})")
     ap.add_argument("--source", default=SOURCE, help=f"the conversations (default {SOURCE})")
     ap.add_argument("--quick", action="store_true",
-                    help="smoke run: 60 conversations, 1 core each (shared if need be)")
+                    help="smoke run: 24 conversations, 1 core each (shared if need be)")
     args = ap.parse_args(argv)
     if args.quick:
-        args.limit, args.cores = 60, 1
+        args.limit, args.cores = 24, 1
     c = args.cores
     if os.cpu_count() < (SHARDS + 1) * c and not args.quick:
         raise SystemExit(f"needs {(SHARDS + 1) * c} cores ({SHARDS + 1} daemons x {c}), "

@@ -1,7 +1,8 @@
 """The two target tensors the drafter needs: the token embedding (the drafter's input, frozen)
-and the lm_head (the teacher). For an HF folder of safetensors only those tensors are read, so a
-70B target costs two matrices of memory, not the model; anything else (GGUF, .bin) loads the
-model through capture.target and keeps the two."""
+and the lm_head (the teacher). For an HF folder of safetensors, and a GGUF file through the
+folder it is converted to once (target.loading), only those tensors are read, so a 70B target
+costs two matrices of memory, not the model; anything else (.bin, a GGUF whose conversion could
+not be cached) loads the model through target.loading and keeps the two."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def _pick(names: dict[str, Path], suffix: str) -> str | None:
 def load_embedding_and_head(model_path: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens [V, H], lm_head [V, H]) in float32; a tied head is the embedding."""
     path = Path(model_path)
+    if path.is_file() and path.suffix == ".gguf":
+        # Each trainer rank loaded the whole target from it, seconds of every start, for two
+        # tensors the converted folder holds as they are.
+        from eagle3d.target.loading import converted_gguf
+        path = converted_gguf(path) or path
     names = _safetensors_names(path) if path.is_dir() else {}
     embed_name = _pick(names, "embed_tokens.weight")
     if embed_name is not None:

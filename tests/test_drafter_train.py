@@ -710,3 +710,31 @@ def test_a_single_process_training_listens_on_no_network_address(tmp_path, data_
     assert proc.returncode == 0, err[-3000:]
     assert len(metrics(tmp_path / "train")) == 3
     assert not seen, seen
+
+
+@pytest.mark.slow
+def test_a_gguf_targets_embedding_and_head_are_read_from_its_conversion_not_by_loading_it():
+    """Every trainer rank reads the target's embedding and lm_head: from a GGUF, the two tensors
+    of the folder it is converted to, the same as the loaded model's, with no model loaded (the
+    model class never imported), which cost seconds of every trainer's start."""
+    script = (
+        "import sys, torch\n"
+        "from pathlib import Path\n"
+        "from eagle3d.statemachine.config import resolve_location\n"
+        "from eagle3d.drafter.target_weights import load_embedding_and_head\n"
+        f"embed, head = load_embedding_and_head(resolve_location({MODEL!r}, Path('.')))\n"
+        "print('transformers.models.llama.modeling_llama' in sys.modules)\n"
+        "torch.save({'embed': embed, 'head': head}, sys.argv[1])\n")
+    import tempfile
+    import torch
+    from eagle3d.statemachine.config import resolve_location
+    from eagle3d.target.loading import load_model
+    with tempfile.NamedTemporaryFile(suffix=".pt") as out:
+        run = subprocess.run([PY, "-c", script, out.name], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert run.stdout.split() == ["False"], "the model was loaded for two of its tensors"
+        got = torch.load(out.name)
+    model = load_model(resolve_location(MODEL, Path(".")), "float32", "cpu")
+    assert torch.equal(got["embed"], model.get_input_embeddings().weight)
+    assert torch.equal(got["head"], model.get_output_embeddings().weight)
