@@ -360,9 +360,14 @@ def load_for_command(path: str, command: str) -> Config:
     current run's), found by the file's path whatever its [paths] say now (an edit refused until
     a restart must not hide the daemon), else the one its state folder's registry names."""
     if command in ("check-config", "runs", "forget"):
-        return load_config(path)
-    running = pointer.read(Path(path))
-    return load_config(running["in_force"]) if running else load_in_force(path)
+        cfg = load_config(path)
+    else:
+        running = pointer.read(Path(path))
+        cfg = load_config(running["in_force"]) if running else load_in_force(path)
+    if command in ("check-config", "engine-command"):  # those that ask the engine's registry
+        from eagle3d.capture import engines  # not on status's path
+        engines.checked(cfg)
+    return cfg
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -536,7 +541,7 @@ def _eval_args(s: argparse.ArgumentParser) -> None:
 
 
 def _export_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--format", choices=("sglang", "speculators"), required=True,
+    s.add_argument("--format", choices=layout.EXPORT_FORMATS, required=True,
                    help="SGLang's layout (what training writes) or speculators' (vLLM's)")
     s.add_argument("--drafter", help="SGLang export to read (default: the current run's)")
     s.add_argument("--out", help="folder to write (default: the current run's export, or "

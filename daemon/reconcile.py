@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from eagle3d.capture import engines
 from eagle3d.daemon import budgets, control, metrics, pipeline, progress, requests, run_select
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.condition import Conditions, describe
@@ -347,7 +348,7 @@ class Daemon:
         runs."""
         self.notifier.reloading()
         try:
-            new = load_config(self.root_cfg.path)
+            new = engines.checked(load_config(self.root_cfg.path))
             verdict = run_select.judge_reload(self.root_cfg, self.current, new,
                                               self.ledger.counts())
         except ConfigError as exc:
@@ -494,7 +495,7 @@ class Daemon:
 
 def run(config_path: str, until: str | None) -> int:
     try:
-        daemon = Daemon(load_config(config_path), until)
+        daemon = Daemon(engines.checked(load_config(config_path)), until)
     except (ConfigError, daemon_lock.Held) as exc:
         log.error("%s", exc)
         return entry.REFUSED

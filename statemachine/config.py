@@ -36,7 +36,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 FP8 = "float8_e4m3fn"
 # How a dump stores the hidden states: a float type, or fp8 with a scale per token row.
 DUMP_DTYPES = (*DTYPES, FP8)
-ENGINES = ("transformers", "sglang")
 FORMATS = ("auto", "sharegpt", "messages")
 RESPONSES = ("dataset", "target")
 # Where the drafter learns the target's next token: after answer tokens only, or everywhere.
@@ -244,7 +243,8 @@ class Key(NamedTuple):
 
 class TargetConfig(NamedTuple):
     model: Annotated[str, _STR, BINDS]
-    engine: Annotated[str, _typed(str, choices=ENGINES)] = "transformers"
+    # one of the registered engines (capture/engines.checked)
+    engine: Annotated[str, _STR] = "transformers"
     dtype: Annotated[str, _typed(str, choices=DTYPES), BINDS] = "bfloat16"
     # None: the EAGLE-3 default for the model's depth
     aux_layers: Annotated[tuple[int, ...] | None, _aux_layers, BINDS] = None

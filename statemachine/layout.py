@@ -171,6 +171,13 @@ def versions_dir(train_dir: Path) -> Path:
     return Path(train_dir) / "versions"
 
 
+# The formats `eagle3ctl export` writes the drafter in: SGLang's layout (export_dir, what training
+# writes) or speculators' (speculators_export_dir, for vLLM). Formats, not engines: either serves
+# whatever engine captured the dataset.
+SGLANG_EXPORT, SPECULATORS_EXPORT = "sglang", "speculators"
+EXPORT_FORMATS = (SGLANG_EXPORT, SPECULATORS_EXPORT)
+
+
 def export_dir(train_dir: Path) -> Path:
     """The drafter in SGLang's layout (drafter/export.py)."""
     return Path(train_dir) / "export"
