@@ -36,11 +36,11 @@ PACKAGES = ("statemachine", "dataset", "target", "capture", "daemon", "drafter",
 # Where an engine's name may stand outside capture/engines/, and why.
 NAMED_OUTSIDE = {
     # The default [target] engine: the schema, on the lowest floor, cannot ask the registry.
-    ("statemachine/config.py", "transformers"),
+    ("statemachine/config_schema.py", "transformers"),
     # The [sglang] section: every section is read, strictly, by the schema on the lowest floor
     # (the drafter's children read the config too, and cannot import capture); the engine's
     # spec names it (EngineSpec.section).
-    ("statemachine/config.py", "sglang"),
+    ("statemachine/config_validation.py", "sglang"),
     # A format of the exported drafter (SGLang's layout), which serves whatever engine
     # captured the dataset: not the engine.
     ("statemachine/layout.py", "sglang"),
