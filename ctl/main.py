@@ -33,8 +33,9 @@ from typing import Any, Callable
 from eagle3d.ctl import stage_views
 from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, pointer
-from eagle3d.statemachine.config import DERIVED, Config, ConfigError, human_bytes, load_config
 from eagle3d.statemachine.config_in_force import load_in_force
+from eagle3d.statemachine.config_schema import DERIVED, Config, human_bytes
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
 from eagle3d.statemachine.statefile import read_state
@@ -289,7 +290,7 @@ def what_a_reload_does(new: Config) -> tuple[int, str]:
     # These read MiBs of weights and the disks: not status's path.
     from eagle3d.daemon import run_select
     from eagle3d.statemachine import runs
-    from eagle3d.statemachine.config import PathsConfig
+    from eagle3d.statemachine.config_schema import PathsConfig
     from eagle3d.statemachine.reload_policy import NEEDS_RESTART
 
     running = pointer.read(new.path)

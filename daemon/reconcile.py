@@ -45,8 +45,9 @@ from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
 from eagle3d.statemachine import daemon_lock, entry, layout, pointer, runs, safepath, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
-from eagle3d.statemachine.config import STOP_BUDGET_S, Config, ConfigError, load_config
 from eagle3d.statemachine.config_in_force import write_in_force
+from eagle3d.statemachine.config_schema import STOP_BUDGET_S, Config
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.reload_policy import NEEDS_RESTART, REFUSED, daemon_problem
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Facts, Seen, Stage

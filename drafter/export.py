@@ -26,7 +26,7 @@ from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import DraftVocab
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import fsync_dir, share_with_group
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.entry import OK, Refusal, child_main
 
 CONFIG = "config.json"

@@ -27,7 +27,7 @@ def state_file(state_dir: Path) -> Path:
 
 def config_in_force(state_dir: Path) -> Path:
     """The config the daemon holds, written by it; every child starts from this file, never from
-    the operator's editable one (statemachine/config.py)."""
+    the operator's editable one (statemachine/config_validation.py)."""
     return Path(state_dir) / "config.toml"
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from eagle3d.statemachine.config import ConfigError, load_config, parse_size
+from eagle3d.statemachine.config_schema import parse_size
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.reload_policy import reload_verdict
 from tests.conftest import make_config, venv_bin
 

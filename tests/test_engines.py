@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from eagle3d.capture import engines
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 
 REPO = Path(__file__).resolve().parents[1]
 BRANCH = re.compile(r"\.engine\s*(==|!=)\s*[\"']")  # `cfg.target.engine == "sglang"`

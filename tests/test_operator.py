@@ -17,7 +17,7 @@ from eagle3d.ctl.main import (BAD_CONFIG, EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, 
 from eagle3d.daemon import control
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Stage
 from tests.conftest import venv_bin, write_conversations

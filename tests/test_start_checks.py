@@ -12,8 +12,9 @@ from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.reconcile import prepare_dirs
 from eagle3d.dataset import contract
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import Config, ConfigError, load_config
 from eagle3d.statemachine.config_in_force import write_in_force
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, PlanFacts, Seen, Stage
 from tests.conftest import smollm_contract, write_conversations

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from eagle3d.statemachine import entry
-from eagle3d.statemachine.config import Config, ConfigError
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import ConfigError
 
 # (what it is, argv, environment): one process that runs the target, as eagle3ctl prints it.
 Command = tuple[str, list[str], dict[str, str]]
