@@ -24,7 +24,7 @@ from eagle3d.dataset import dumpformat
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.ingest import Ingestor, Outcome
 from eagle3d.statemachine import digests
-from eagle3d.statemachine.config import ExtractConfig
+from eagle3d.statemachine.config_schema import ExtractConfig
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from eagle3d.statemachine.safepath import HeldDir
 

@@ -31,7 +31,8 @@ import torch
 
 from eagle3d.capture.engines.transformers.decoder import TransformersDecoder
 from eagle3d.drafter import train as train_mod
-from eagle3d.statemachine.config import GenerateConfig, load_config
+from eagle3d.statemachine.config_schema import GenerateConfig
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.target import loading
 from gpu_train import OurTrainer, Shape, abba, initial_weights, random_batches, random_target
 

@@ -50,7 +50,7 @@ from gpu_train import (KIMI_K25, LLAMA_8B, TINY, OurTrainer, Shape,  # noqa: E40
 
 from eagle3d.dataset import checksum, dumpformat, precision  # noqa: E402
 from eagle3d.drafter import data, reader  # noqa: E402
-from eagle3d.statemachine.config import FP8  # noqa: E402
+from eagle3d.statemachine.config_schema import FP8  # noqa: E402
 
 SMOLLM2 = Shape("SmolLM2-135M-sized", hidden=576, intermediate=1536, heads=9, kv_heads=3,
                 head_dim=64, vocab=49152, draft_vocab=32000, rope_theta=100000.0)

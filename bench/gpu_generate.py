@@ -28,7 +28,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from eagle3d.capture.engines.transformers.decoder import TransformersDecoder
 from eagle3d.capture.generator import Writer
-from eagle3d.statemachine.config import GenerateConfig
+from eagle3d.statemachine.config_schema import GenerateConfig
 from eagle3d.target.loading import stop_tokens
 from gpu_extract import LLAMA_8B, TINY, build_model
 

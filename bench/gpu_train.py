@@ -104,7 +104,7 @@ from eagle3d.dataset import precision  # noqa: E402
 from eagle3d.drafter import data, vocab as vocab_mod  # noqa: E402
 from eagle3d.drafter.model import LOSS_DECAY, DraftConfig  # noqa: E402
 from eagle3d.drafter.train import build_drafter, make_optimizer, train_step  # noqa: E402
-from eagle3d.statemachine.config import FP8  # noqa: E402
+from eagle3d.statemachine.config_schema import FP8  # noqa: E402
 
 RMS_EPS = 1e-5
 GRAD_CLIP = 0.5  # [train] grad_clip's default, and SpecForge's max_grad_norm

@@ -24,7 +24,8 @@ from eagle3d.capture.engines.transformers.worker import Capturer, Job
 from eagle3d.daemon import verify
 from eagle3d.dataset import dumpformat, precision
 from eagle3d.dataset.conversations import iter_conversations
-from eagle3d.statemachine.config import FP8, load_config
+from eagle3d.statemachine.config_schema import FP8
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.target import loading
 
 DEMO = Path(__file__).resolve().parent.parent / "etc" / "demo.toml"

@@ -36,7 +36,7 @@ from eagle3d.dataset import contract
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.target import identity, loading
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import Config, GenerateConfig
+from eagle3d.statemachine.config_schema import Config, GenerateConfig
 from eagle3d.statemachine.entry import OK, child_main
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Sample
 from eagle3d.statemachine.lifecycle import die_with_parent

@@ -38,7 +38,8 @@ from eagle3d.dataset import contract, dumpformat
 from eagle3d.target import identity, loading
 from eagle3d.dataset.conversations import Conversation, iter_conversations
 from eagle3d.statemachine import digests, layout, shards
-from eagle3d.statemachine.config import Config, ConfigError
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import ConfigError
 from eagle3d.statemachine.entry import OK, ContractMismatch, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
 from eagle3d.statemachine.plan_meta import PlanMeta

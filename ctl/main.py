@@ -35,8 +35,9 @@ from eagle3d.ctl import stage_views
 from eagle3d.daemon.completion import add_completion_option
 from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, pointer
-from eagle3d.statemachine.config import DERIVED, Config, ConfigError, human_bytes, load_config
 from eagle3d.statemachine.config_in_force import load_in_force
+from eagle3d.statemachine.config_schema import DERIVED, Config, human_bytes
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
 from eagle3d.statemachine.statefile import read_state
@@ -301,7 +302,7 @@ def what_a_reload_does(new: Config) -> tuple[int, str]:
     # These read MiBs of weights and the disks: not status's path.
     from eagle3d.daemon import run_select
     from eagle3d.statemachine import runs
-    from eagle3d.statemachine.config import PathsConfig
+    from eagle3d.statemachine.config_schema import PathsConfig
     from eagle3d.statemachine.reload_policy import NEEDS_RESTART
 
     running = pointer.read(new.path)
@@ -372,9 +373,14 @@ def load_for_command(path: str, command: str) -> Config:
     current run's), found by the file's path whatever its [paths] say now (an edit refused until
     a restart must not hide the daemon), else the one its state folder's registry names."""
     if command in ("check-config", "runs", "forget"):
-        return load_config(path)
-    running = pointer.read(Path(path))
-    return load_config(running["in_force"]) if running else load_in_force(path)
+        cfg = load_config(path)
+    else:
+        running = pointer.read(Path(path))
+        cfg = load_config(running["in_force"]) if running else load_in_force(path)
+    if command in ("check-config", "engine-command"):  # those that ask the engine's registry
+        from eagle3d.capture import engines  # not on status's path
+        engines.checked(cfg)
+    return cfg
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -548,7 +554,7 @@ def _eval_args(s: argparse.ArgumentParser) -> None:
 
 
 def _export_args(s: argparse.ArgumentParser) -> None:
-    s.add_argument("--format", choices=("sglang", "speculators"), required=True,
+    s.add_argument("--format", choices=layout.EXPORT_FORMATS, required=True,
                    help="SGLang's layout (what training writes) or speculators' (vLLM's)")
     s.add_argument("--drafter", help="SGLang export to read (default: the current run's)")
     s.add_argument("--out", help="folder to write (default: the current run's export, or "

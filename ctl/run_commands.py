@@ -10,7 +10,8 @@ import time
 from typing import Any
 
 from eagle3d.statemachine import layout, runs
-from eagle3d.statemachine.config import Config, ConfigError, human_bytes
+from eagle3d.statemachine.config_schema import Config, human_bytes
+from eagle3d.statemachine.config_validation import ConfigError
 from eagle3d.statemachine.ledger import Ledger, LedgerError
 from eagle3d.statemachine.statefile import read_state
 

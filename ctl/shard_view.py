@@ -7,7 +7,7 @@ import time
 from typing import Any
 
 from eagle3d.statemachine import layout, shards
-from eagle3d.statemachine.config import Config, human_bytes
+from eagle3d.statemachine.config_schema import Config, human_bytes
 from eagle3d.statemachine.statefile import read_state
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import Config, human_bytes
+from eagle3d.statemachine.config_schema import Config, human_bytes
 from eagle3d.statemachine.runs import Run
 
 log = logging.getLogger("eagle3d")

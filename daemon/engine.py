@@ -12,7 +12,7 @@ from typing import Any
 
 from eagle3d.capture import engines
 from eagle3d.daemon.children import Child
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import token_ids
 
 

@@ -26,7 +26,7 @@ from eagle3d.daemon.engine import plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
 from eagle3d.daemon.spool import Spool
 from eagle3d.statemachine import layout, plan_meta, safepath
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
 from eagle3d.statemachine.safepath import Unsafe
 from eagle3d.statemachine.stages import Decision, ExtractFacts, Seen, Stage

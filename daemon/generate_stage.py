@@ -20,7 +20,7 @@ from eagle3d.capture import engines
 from eagle3d.capture.engines import generator_argv
 from eagle3d.daemon.children import Child, Silence, Supervisor, remaining, stage_failed
 from eagle3d.statemachine import entry
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, GenerateFacts, Seen, Stage
 

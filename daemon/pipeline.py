@@ -17,7 +17,7 @@ from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.shard_gate import ShardGate
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.daemon.verify_stage import VerifyStage
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen
 

@@ -17,7 +17,7 @@ from eagle3d.daemon.children import Child, Supervisor, remaining
 from eagle3d.daemon.run_select import weights_of
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import entry, plan_meta
-from eagle3d.statemachine.config import PLANNER_STOP_GRACE_S, Config
+from eagle3d.statemachine.config_schema import PLANNER_STOP_GRACE_S, Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, PlanFacts, Seen, Stage
 

@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
+from eagle3d.capture import engines
 from eagle3d.daemon import budgets, control, metrics, pipeline, progress, requests, run_select
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.condition import Conditions, describe
@@ -44,8 +45,9 @@ from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
 from eagle3d.statemachine import daemon_lock, entry, layout, pointer, runs, safepath, stages
 from eagle3d.statemachine.atomic import remove_dead_temps
-from eagle3d.statemachine.config import STOP_BUDGET_S, Config, ConfigError, load_config
 from eagle3d.statemachine.config_in_force import write_in_force
+from eagle3d.statemachine.config_schema import STOP_BUDGET_S, Config
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.reload_policy import NEEDS_RESTART, REFUSED, daemon_problem
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Facts, Seen, Stage
@@ -353,7 +355,7 @@ class Daemon:
         runs."""
         self.notifier.reloading()
         try:
-            new = load_config(self.root_cfg.path)
+            new = engines.checked(load_config(self.root_cfg.path))
             verdict = run_select.judge_reload(self.root_cfg, self.current, new,
                                               self.ledger.counts())
         except ConfigError as exc:
@@ -510,7 +512,7 @@ class Daemon:
 
 def run(config_path: str, until: str | None) -> int:
     try:
-        daemon = Daemon(load_config(config_path), until)
+        daemon = Daemon(engines.checked(load_config(config_path)), until)
     except (ConfigError, daemon_lock.Held) as exc:
         log.error("%s", exc)
         return entry.REFUSED

@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 from eagle3d.daemon import budgets
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout, runs
-from eagle3d.statemachine.config import Config, ConfigError, load_config
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.reload_policy import REFUSED, reload_verdict
 from eagle3d.statemachine.ledger import Counts
 from eagle3d.target import loading

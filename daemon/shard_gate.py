@@ -14,7 +14,7 @@ from typing import Any
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset.shard_union import Join, ShardSet
 from eagle3d.statemachine import shards
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.stages import Decision, Seen, ShardFacts
 
 

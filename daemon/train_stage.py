@@ -19,8 +19,8 @@ from typing import Any, Callable
 from eagle3d.daemon.children import Child, Silence, Supervisor, remaining, stage_failed
 from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
-from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.config_in_force import in_force_check
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage, TrainFacts
 

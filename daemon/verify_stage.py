@@ -22,7 +22,7 @@ from eagle3d.dataset import dumpformat
 from eagle3d.daemon.durability import SyncFs, doubt_settled, page_cache_doubt
 from eagle3d.daemon.engine import plan_batch_item
 from eagle3d.statemachine import layout, manifest, stages
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Ledger
 
 log = logging.getLogger("eagle3d")

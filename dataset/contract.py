@@ -19,7 +19,7 @@ else:  # pragma: no cover
 
 from eagle3d.statemachine import digests, layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.config import Config, contract_fields
+from eagle3d.statemachine.config_schema import Config, contract_fields
 from eagle3d.statemachine.entry import Refusal
 
 LAYER_CONVENTION = "hidden state entering decoder layer i (HF hidden_states[i])"

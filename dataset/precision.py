@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Mapping
 import numpy as np
 
 from eagle3d.dataset.dumpformat import AUX, DTYPE_NAMES, LAST, LAYER_BLOCKS, SCALES, is_scaled
-from eagle3d.statemachine.config import FP8
+from eagle3d.statemachine.config_schema import FP8
 
 if TYPE_CHECKING:
     import torch

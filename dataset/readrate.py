@@ -20,7 +20,7 @@ from typing import Any, Iterator
 from eagle3d.dataset import contract as contract_mod
 from eagle3d.dataset.dumpformat import SUFFIX, bytes_per_token
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import FP8
+from eagle3d.statemachine.config_schema import FP8
 
 # (target hidden size, tokens/s one H200 trains its drafter at): SmolLM2-135M's full pipeline
 # (README, 2026-12-04), the 8B- and Kimi-K2.5-sized drafts of bench/gpu_train.py at T=4096

@@ -15,7 +15,7 @@ from typing import Any, Callable, NamedTuple
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout, manifest, shards
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.entry import Refusal
 from eagle3d.statemachine.statefile import read_state
 

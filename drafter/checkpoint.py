@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from eagle3d.statemachine.atomic import fsync_dir
-from eagle3d.statemachine.config import TrainConfig
+from eagle3d.statemachine.config_schema import TrainConfig
 
 log = logging.getLogger("eagle3d.trainer")
 

@@ -37,7 +37,7 @@ from eagle3d.drafter.export import load_export
 from eagle3d.drafter.model import KV, Eagle3Drafter
 from eagle3d.drafter.vocab import DraftVocab
 from eagle3d.statemachine import layout, train_files
-from eagle3d.statemachine.config import Config, resolve_location
+from eagle3d.statemachine.config_schema import Config, resolve_location
 from eagle3d.statemachine.entry import DIVERGED, OK, Refusal, child_main
 from eagle3d.target.taps import LayerTap, decoder_of
 

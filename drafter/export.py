@@ -26,12 +26,11 @@ from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import DraftVocab
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import fsync_dir, share_with_group
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.entry import OK, Refusal, child_main
 
 CONFIG = "config.json"
 WEIGHTS = "model.safetensors"
-FORMATS = ("sglang", "speculators")
 
 
 def sglang_config(cfg: DraftConfig, contract_layer_ids: list[int], target_architecture: str,
@@ -137,7 +136,7 @@ def load_export(export_dir: Path, embed_tokens: torch.Tensor) -> tuple[Eagle3Dra
 
 
 def _arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--format", choices=FORMATS, required=True)
+    p.add_argument("--format", choices=layout.EXPORT_FORMATS, required=True)
     p.add_argument("--drafter", type=Path,
                    help="the SGLang export to read (default: the current run's)")
     p.add_argument("--out", type=Path, help="the folder to write (default: the current run's "
@@ -148,7 +147,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     source = args.drafter or layout.export_dir(cfg.paths.train_dir)
     if not (source / CONFIG).exists():
         raise Refusal(f"no exported drafter in {source}")
-    if args.format == "sglang":
+    if args.format == layout.SGLANG_EXPORT:
         out = args.out or source
         if out.resolve() != source.resolve():
             write_folder(out, json.loads((source / CONFIG).read_text()),

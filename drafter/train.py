@@ -42,7 +42,7 @@ from eagle3d.drafter.target_weights import load_embedding_and_head
 from eagle3d.statemachine import layout, train_files
 from eagle3d.statemachine import manifest as manifest_mod
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.entry import OK, ContractMismatch, DatasetChanged, Refusal, child_main
 from eagle3d.statemachine.ledger import Ledger, LedgerError
 from eagle3d.statemachine.lifecycle import die_with_parent

@@ -10,8 +10,8 @@ from typing import Any
 
 from eagle3d.statemachine import digests, layout, shards
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.config import (Config, ConfigError, as_written, keys_of, load_config,
-                                         section_classes)
+from eagle3d.statemachine.config_schema import Config, as_written, keys_of, section_classes
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 
 # A daemon's child gets the config in force's digest with this option (entry.child_main).
 IN_FORCE_OPTION = "--in-force"

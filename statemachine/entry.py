@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import Config, ConfigError, load_config
 from eagle3d.statemachine.config_in_force import IN_FORCE_OPTION, check_in_force, in_force_check
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.logs import setup_logging
 
 OK = 0

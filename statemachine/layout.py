@@ -27,7 +27,7 @@ def state_file(state_dir: Path) -> Path:
 
 def config_in_force(state_dir: Path) -> Path:
     """The config the daemon holds, written by it; every child starts from this file, never from
-    the operator's editable one (statemachine/config.py)."""
+    the operator's editable one (statemachine/config_validation.py)."""
     return Path(state_dir) / "config.toml"
 
 
@@ -169,6 +169,13 @@ def versions_dir(train_dir: Path) -> Path:
     """Drafters trained with other [train] settings, one folder per settings key, each holding
     the train folder's own files of that drafter (statemachine/train_files.py)."""
     return Path(train_dir) / "versions"
+
+
+# The formats `eagle3ctl export` writes the drafter in: SGLang's layout (export_dir, what training
+# writes) or speculators' (speculators_export_dir, for vLLM). Formats, not engines: either serves
+# whatever engine captured the dataset.
+SGLANG_EXPORT, SPECULATORS_EXPORT = "sglang", "speculators"
+EXPORT_FORMATS = (SGLANG_EXPORT, SPECULATORS_EXPORT)
 
 
 def export_dir(train_dir: Path) -> Path:

@@ -3,7 +3,7 @@ refuse it, or ask for a restart; and the configs the daemon refuses outright."""
 
 from __future__ import annotations
 
-from eagle3d.statemachine.config import Config, PathsConfig
+from eagle3d.statemachine.config_schema import Config, PathsConfig
 
 # What a reload does with a config it cannot take live (eagle3ctl check-config says which).
 NEEDS_RESTART, REFUSED = "needs a restart", "refused"

@@ -34,7 +34,8 @@ else:  # pragma: no cover
 
 from eagle3d.statemachine import digests, layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.config import Config, ConfigError
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import ConfigError
 
 FOLDERS = ("state_dir", "dataset_dir", "train_dir")  # each run's own; the spool is shared
 
@@ -210,7 +211,7 @@ def owned(reg: Registry, run: Run, folders: tuple[str, ...] = FOLDERS,
           roots: tuple[Path, ...] = ()) -> list[Path]:
     """What a run owns in its folders: each of them whole, or for the run in place everything
     in the configured roots but the install's own files. Never a path that is or holds a root
-    or another run's folder, wherever [paths] nest (config.py refuses nesting; a registry
+    or another run's folder, wherever [paths] nest (config_validation.py refuses nesting; a registry
     written before that, or a root moved since, may still hold it)."""
     kept = _kept(reg, run, roots)
     found = []

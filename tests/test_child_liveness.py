@@ -14,7 +14,7 @@ import pytest
 from eagle3d.daemon import train_stage
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
 from tests.pipeline import DaemonProcess, ctl, status, wait_for

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import tomli_w
 
-from eagle3d.statemachine.config import ConfigError, load_config, parse_size
+from eagle3d.statemachine.config_schema import parse_size
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.reload_policy import reload_verdict
 from tests.conftest import make_config, venv_bin
 
@@ -25,7 +26,6 @@ BAD = [
      "package 'no_such_package_xyz' is not installed"),
     ("negative budget", {"budget": {"reserve": "-5GiB"}}, "[budget.reserve] a size cannot be negative"),
     ("bad size unit", {"budget": {"spool_max": "12 parsecs"}}, "[budget.spool_max] expected a size"),
-    ("bad engine", {"target": {"engine": "vllm"}}, "[target.engine] must be one of"),
     ("bad dtype", {"target": {"dtype": "int4"}}, "[target.dtype] must be one of"),
     ("bad dump dtype", {"extract": {"dump_dtype": "float8_e5m2"}},
      "[extract.dump_dtype] must be one of 'float32', 'bfloat16', 'float16', 'float8_e4m3fn'"),

@@ -16,8 +16,9 @@ from safetensors.torch import load_file
 from eagle3d.daemon import control
 from eagle3d.dataset import contract
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import load_config, parse_config, resolve_location
 from eagle3d.statemachine.config_in_force import to_toml
+from eagle3d.statemachine.config_schema import resolve_location
+from eagle3d.statemachine.config_validation import load_config, parse_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.target import loading
 from tests.conftest import REPO, SMOLLM

@@ -77,7 +77,7 @@ def test_status_costs_under_twice_an_empty_python(config_factory, tmp_path):
     time of both), the best of many alternated runs, with bytecode caches as an installed
     package has them. On the loaded 2-core VM (2026-12-04): 2.5-2.6x before its imports were
     pruned and the interpreter's teardown skipped, 1.7x after."""
-    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_validation import load_config
     from eagle3d.statemachine.ledger import Ledger
     config = config_factory()
     state_dir = load_config(config).paths.state_dir
@@ -182,8 +182,8 @@ def test_the_engine_command_eagle3ctl_prints_runs(config_factory):
     its input."""
     from eagle3d.daemon.reconcile import prepare_dirs
     from eagle3d.dataset import contract
-    from eagle3d.statemachine.config import load_config
     from eagle3d.statemachine.config_in_force import write_in_force
+    from eagle3d.statemachine.config_validation import load_config
     config = config_factory()
     cfg = load_config(config)
     prepare_dirs(cfg)
@@ -202,8 +202,8 @@ def test_eagle3ctl_shows_the_config_in_force_not_an_edit_the_daemon_refused(conf
     command eagle3ctl shows is the one the daemon would run, while check-config still checks
     the operator's edited file."""
     from eagle3d.dataset import contract
-    from eagle3d.statemachine.config import load_config
     from eagle3d.statemachine.config_in_force import write_in_force
+    from eagle3d.statemachine.config_validation import load_config
     config = config_factory({"target": {"engine": "sglang"}, "sglang": {"mem_fraction": 0.5}})
     cfg = load_config(config)
     cfg.paths.dataset_dir.mkdir(parents=True)
@@ -221,7 +221,7 @@ def test_eagle3ctl_shows_the_config_in_force_not_an_edit_the_daemon_refused(conf
 
 def test_status_with_runs_imports_only_what_it_shows(config_factory):
     """The run line of a daemon that switched runs costs status no module it avoids."""
-    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_validation import load_config
     cfg = load_config(config_factory())
     cfg.paths.state_dir.mkdir(parents=True)
     write_state(cfg.paths.state_dir, {"stage": "extract", "run": {
@@ -301,7 +301,7 @@ def test_status_shows_the_stages_in_the_pipelines_order(config_factory, tmp_path
     daemon's pipeline runs them: a stage added to the pipeline takes its place in both."""
     from eagle3d.ctl import stage_views
     from eagle3d.daemon import pipeline
-    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_validation import load_config
     from eagle3d.statemachine.ledger import Ledger
     cfg = load_config(config_factory({"data": shards}))
     for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):

@@ -13,7 +13,7 @@ import torch
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.drafter.reporting import Reporter, StepFigures
 from eagle3d.statemachine import layout, train_files
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.statefile import write_state
 from tests.test_ctl import ctl

@@ -16,7 +16,7 @@ from eagle3d.capture import planner
 from eagle3d.dataset import contract, dumpformat
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import manifest, runs, shards, train_files
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, Prompt
 from eagle3d.target import loading
 from tests.conftest import make_config

@@ -18,7 +18,7 @@ from eagle3d.drafter.evaluate import (Drafting, Tree, _summary, by_depth, evalua
                                       tree_speculative)
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.vocab import from_counts
-from eagle3d.statemachine.config import resolve_location
+from eagle3d.statemachine.config_schema import resolve_location
 from eagle3d.target import loading
 from eagle3d.target.taps import LayerTap, decoder_of
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from drafter_fixtures import MODEL, cached_dataset, write_config
-from eagle3d.statemachine.config import TrainConfig
+from eagle3d.statemachine.config_schema import TrainConfig
 
 PY = sys.executable
 SMALL = {"draft_vocab": 2048, "ttt_steps": 2, "epochs": 1.0, "batch_tokens": 1024, "lr": 3e-4,
@@ -337,7 +337,7 @@ def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, dat
     Only node 0 writes: node 1's train folder stays empty."""
     import torch
     from eagle3d.daemon.train_stage import trainer_argv
-    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_validation import load_config
     steps = 5
     settings = {**SMALL, "batch_tokens": 512, "max_steps": steps, "checkpoint_every": 2}
     (tmp_path / "one").mkdir()
@@ -397,7 +397,7 @@ def other_model_of_the_same_shape(where: Path) -> Path:
     """A copy of the fixture's target with its last weight byte changed: every shape check
     passes."""
     import shutil
-    from eagle3d.statemachine.config import resolve_location
+    from eagle3d.statemachine.config_schema import resolve_location
     original = resolve_location(MODEL, Path("."))
     other = where / original.name
     shutil.copyfile(original, other)
@@ -414,7 +414,7 @@ def train_two_nodes(tmp_path: Path, data_root: Path, node1_data: Path,
     """Node 0 and node 1 of one training (2 steps), node 1 with its own dataset copy and
     target; both must fail. Returns their logs."""
     from eagle3d.daemon.train_stage import trainer_argv
-    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_validation import load_config
     port = free_port()
     settings = {**SMALL, "max_steps": 2}
     node0 = node_config(tmp_path / "node0", data_root, settings, 0, port)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from eagle3d.statemachine import manifest
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.safepath import HeldDir
 from tests.conftest import write_conversations

@@ -14,7 +14,8 @@ from eagle3d.dataset import contract, dumpformat
 from eagle3d.daemon.extract_stage import ExtractStage
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import Config, load_config
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from eagle3d.statemachine.stages import Decision, Seen, Stage
 from tests.conftest import smollm_contract

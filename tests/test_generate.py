@@ -19,7 +19,8 @@ from eagle3d.capture.planner import plan_batch, plan_prompts
 from eagle3d.capture.engines.sglang.plugin import CaptureSettings
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import GenerateConfig, load_config
+from eagle3d.statemachine.config_schema import GenerateConfig
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.target import loading
 from tests.pipeline import DaemonProcess, ctl, messages_config, status, wait_for

@@ -17,8 +17,8 @@ import tomli_w
 import tomllib
 
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import (INT64_MAX, MAX_CONFIG_BYTES, BudgetConfig, Config,
-                                          ConfigError, DataConfig, load_config)
+from eagle3d.statemachine.config_schema import INT64_MAX, BudgetConfig, Config, DataConfig
+from eagle3d.statemachine.config_validation import MAX_CONFIG_BYTES, ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations
 from tests.pipeline import DaemonProcess, status, wait_for

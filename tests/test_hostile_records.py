@@ -13,7 +13,7 @@ from eagle3d.capture import planner
 from eagle3d.dataset import conversations
 from eagle3d.dataset.conversations import Damaged, iter_conversations
 from eagle3d.statemachine import entry
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.test_planner import ledger_rows, run_planner, tokenizer, write_config  # noqa: F401
 

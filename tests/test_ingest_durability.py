@@ -21,7 +21,7 @@ from eagle3d.daemon import verify_stage
 from eagle3d.daemon.durability import GroupSync, SyncFs, doubt_settled, page_cache_doubt
 from eagle3d.daemon.ingest import Ingestor
 from eagle3d.daemon.verify_stage import VerifyRunner
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from eagle3d.statemachine.safepath import HeldDir
 from tests.conftest import make_config

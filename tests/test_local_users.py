@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import venv_bin
 from tests.pipeline import DaemonProcess, ctl, messages_config

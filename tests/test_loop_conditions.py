@@ -18,7 +18,7 @@ from eagle3d.daemon import control
 from eagle3d.daemon.children import Supervisor
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.pipeline import DaemonProcess, ctl, fill_file_system
 

@@ -78,7 +78,7 @@ def test_a_missing_textfile_folder_is_said_and_the_pipeline_goes_on(config_facto
 
 
 def test_only_files_node_exporter_reads_are_accepted(config_factory):
-    from eagle3d.statemachine.config import ConfigError, load_config
+    from eagle3d.statemachine.config_validation import ConfigError, load_config
     config = config_factory({"metrics": {"textfile": "/var/lib/node_exporter/eagle3d.txt"}})
     with pytest.raises(ConfigError, match=r"\[metrics.textfile\].*\.prom"):
         load_config(config)

@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eagle3d.ctl.main import (EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
+from eagle3d.ctl.main import (BAD_CONFIG, EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
                                 WAITS_FOR_OPERATOR)
 from eagle3d.daemon import control
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Stage
 from tests.conftest import venv_bin, write_conversations
@@ -233,6 +233,7 @@ def test_a_spool_cap_below_one_batch_pauses_extraction_with_its_key(config_facto
     assert "[extract] batch_tokens" in pause
 
 
+UNKNOWN_ENGINE = "[target.engine] must be one of 'transformers', 'sglang', got 'vllm'"
 # An edit, and what both check-config and then the reload itself make of it.
 RELOAD_CASES = {
     "dataset_dir moved": ({}, ("paths", {"dataset_dir": "elsewhere"}), NEEDS_RESTART_CODE,
@@ -240,6 +241,8 @@ RELOAD_CASES = {
     "a shard's contract edited": ({"data": {"shards": 2, "shard": 0}},
                                   ("target", {"dtype": "bfloat16"}), RELOAD_REFUSED,
                                   "a sharded extraction keeps one run per set of roots"),
+    # The schema reads any name; the engines' registry refuses one it does not hold.
+    "an unknown engine": ({}, ("target", {"engine": "vllm"}), BAD_CONFIG, UNKNOWN_ENGINE),
 }
 
 

@@ -23,7 +23,7 @@ from eagle3d.dataset import contract
 from eagle3d.target import loading
 from eagle3d.dataset.conversations import Conversation
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,6 +1,6 @@
 """etc/eagle3d.toml, the production template: it must load once its model and data exist, and
-its comments must document every key of statemachine/config.py with the default that code uses,
-so the documentation cannot fall behind the code."""
+its comments must document every key of statemachine/config_schema.py with the default that code
+uses, so the documentation cannot fall behind the code."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.statemachine.config import Key, keys_of, load_config, parse_size, section_classes
+from eagle3d.statemachine.config_schema import Key, keys_of, parse_size, section_classes
+from eagle3d.statemachine.config_validation import load_config
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "etc" / "eagle3d.toml"
 
@@ -75,7 +76,7 @@ def test_every_key_is_set_and_documented_with_the_default_the_code_uses():
                 assert "Required." in doc, f"{key}: the comment must say it is required"
                 continue
             assert documented_default(doc, field, section) == default, \
-                f"{key}: the documented default differs from statemachine/config.py"
+                f"{key}: the documented default differs from statemachine/config_schema.py"
 
 
 def test_the_template_names_the_contract_keys_the_schema_marks():

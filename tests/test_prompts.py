@@ -14,7 +14,7 @@ from eagle3d.dataset.conversations import iter_conversations
 from eagle3d.dataset.prompts import (MESSAGES, MT_BENCH, SHAREGPT, PromptError, detect_format,
                                      read_questions)
 from eagle3d.drafter.evaluate import prompts_from
-from eagle3d.statemachine.config import resolve_location
+from eagle3d.statemachine.config_schema import resolve_location
 from eagle3d.target import loading
 from tests.test_ctl import ctl
 

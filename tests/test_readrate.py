@@ -13,7 +13,8 @@ from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.dataset import contract as contract_mod
 from eagle3d.dataset import dumpformat, readrate
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import FP8, load_config
+from eagle3d.statemachine.config_schema import FP8
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
 from tests.test_ctl import ctl

@@ -17,7 +17,8 @@ from eagle3d.daemon.generate_stage import GenerateStage
 from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import Config, load_config
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
 from tests.pipeline import wait_for

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from eagle3d.dataset import contract, dumpformat, readrate
 from eagle3d.statemachine import layout, runs
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.target import loading
 from tests.conftest import SMOLLM

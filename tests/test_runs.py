@@ -12,8 +12,8 @@ from eagle3d.daemon import control, run_select
 from eagle3d.ctl.main import results_summary
 from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs, train_files
-from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.config_in_force import load_in_force, write_in_force
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.pipeline import ctl, edit_config, status, switch, wait_for
 from tests.test_extract_stage import plan

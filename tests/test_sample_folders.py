@@ -11,7 +11,7 @@ import pytest
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.dataset import readrate
 from eagle3d.statemachine import layout, train_files
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.pipeline import DaemonProcess, ctl, run_until, status
 

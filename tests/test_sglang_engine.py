@@ -17,7 +17,7 @@ from eagle3d.capture.engines import EngineUnavailable
 from eagle3d.capture.engines.sglang import client as sglang_client
 from eagle3d.capture.engines.sglang.handle import SGLangEngine
 from eagle3d.daemon.engine import start_engine
-from eagle3d.statemachine.config import parse_config
+from eagle3d.statemachine.config_validation import parse_config
 from eagle3d.target.loading import fingerprint_file_or_folder
 from test_sglang_plugin import CONTRACT, REQUESTS, plan
 

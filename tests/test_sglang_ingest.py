@@ -14,7 +14,7 @@ import torch
 
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.capture.engines.sglang.plugin import Capture, DumpWriter, ledger_loss_masks
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations
 from tests.pipeline import DaemonProcess

@@ -15,7 +15,7 @@ from eagle3d.capture.engines.sglang.launcher import (CAPTURE_FLAGS, SUPPORTED, c
 from eagle3d.capture.engines.sglang.plugin import CaptureSettings
 from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
-from eagle3d.statemachine.config import parse_config
+from eagle3d.statemachine.config_validation import parse_config
 
 CONTRACT = {"fingerprint": "c" * 32, "layer_ids": [2, 30, 58], "dtype": "bfloat16",
             "dump_dtype": "float8_e4m3fn"}

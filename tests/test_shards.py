@@ -14,8 +14,8 @@ import pytest
 from eagle3d.capture import planner
 from eagle3d.dataset.shard_union import ShardSet
 from eagle3d.statemachine import layout, manifest, shards
-from eagle3d.statemachine.config import ConfigError, load_config
 from eagle3d.statemachine.config_in_force import write_in_force
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.statefile import write_state
 from eagle3d.target import loading

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from tests.conftest import shard_configs
 from tests.pipeline import DaemonProcess, status
 

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.pipeline import DaemonProcess, status
 

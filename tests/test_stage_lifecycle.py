@@ -18,7 +18,8 @@ from eagle3d.daemon import control, train_stage
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout, manifest, train_files
-from eagle3d.statemachine.config import Config, load_config
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Stage
 from eagle3d.statemachine.statefile import read_state

@@ -12,8 +12,9 @@ from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.reconcile import prepare_dirs
 from eagle3d.dataset import contract
 from eagle3d.statemachine import entry, layout
-from eagle3d.statemachine.config import Config, ConfigError, load_config
 from eagle3d.statemachine.config_in_force import write_in_force
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, PlanFacts, Seen, Stage
 from tests.conftest import smollm_contract, write_conversations
@@ -150,3 +151,19 @@ def test_a_reserve_no_disk_can_keep_is_refused_alike_by_check_config_a_start_and
         d.proc.send_signal(signal.SIGHUP)
         st = d.status_until(lambda s: bool(s.get("config_problem")), 60, "the refused reload")
         assert "[budget] reserve" in st["config_problem"] and d.proc.poll() is None
+
+
+def test_an_unknown_engine_is_refused_alike_by_check_config_and_a_start(config_factory):
+    """The schema reads [target] engine as any name (statemachine cannot know the engines);
+    the registry refuses one it does not hold, in the config's words, before anything starts
+    (a reload: tests/test_operator.py, RELOAD_CASES)."""
+    from tests.conftest import venv_bin
+    from tests.test_operator import UNKNOWN_ENGINE
+    config = config_factory({"target": {"engine": "vllm"}})
+    for argv in (["eagle3ctl", "-c", str(config), "check-config"],
+                 ["eagle3d", "run", "-c", str(config)]):
+        out = subprocess.run([venv_bin(argv[0]), *argv[1:]], capture_output=True, text=True,
+                             timeout=120)
+        assert out.returncode == entry.REFUSED, out
+        assert f"{config}: {UNKNOWN_ENGINE}" in out.stderr, out
+    assert not load_config(config).paths.state_dir.exists()  # the daemon made nothing

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.statemachine.config import STOP_BUDGET_S
+from eagle3d.statemachine.config_schema import STOP_BUDGET_S
 from tests.test_local_users import intruder  # noqa: F401 (a fixture)
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.target import loading
 from tests.conftest import make_config, modes
 

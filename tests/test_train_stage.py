@@ -14,8 +14,8 @@ from eagle3d.daemon import train_stage
 from eagle3d.daemon.train_stage import TrainStage
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine import manifest as manifest_mod
-from eagle3d.statemachine.config import load_config
 from eagle3d.statemachine.config_in_force import write_in_force
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen, Stage
 from tests.pipeline import wait_for
@@ -188,7 +188,7 @@ def test_the_trainer_command_of_one_node_and_of_several(config_factory):
 
 def test_only_node_0_runs_the_daemon(config_factory):
     from eagle3d.daemon.reconcile import Daemon
-    from eagle3d.statemachine.config import ConfigError
+    from eagle3d.statemachine.config_validation import ConfigError
     from eagle3d.statemachine.reload_policy import reload_verdict
     zero = load_config(config_factory({"train": {"nnodes": 2, "rendezvous": "10.0.0.1:29400"}}))
     one = load_config(config_factory({"train": {"nnodes": 2, "node_rank": 1,

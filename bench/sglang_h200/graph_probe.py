@@ -21,7 +21,7 @@ from pathlib import Path
 
 from serve import SGLANG_TREE, post, server, speculative_flags
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 
 # The lines of a log that say why a start failed.
 MARKS = ("Error", "error", "Traceback", "raise ", "Exception", "failed", "Failed", "CUDA graph",

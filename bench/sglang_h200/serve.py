@@ -42,7 +42,8 @@ from cost_model import Costs, break_even_tau, kimi_costs, predicted_speedup
 from eagle3d.capture.engines.sglang.client import HEALTH_TIMEOUT_S, healthy
 from eagle3d.drafter.evaluate import cache_kwargs, prompts_from, read_source
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import Config, load_config
+from eagle3d.statemachine.config_schema import Config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.target.loading import load_tokenizer
 
 CONCURRENCY = (1, 4, 16)

@@ -16,8 +16,8 @@ import psutil
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon.verify import Expected, verify_many
 from eagle3d.statemachine import layout, manifest
-from eagle3d.statemachine.config import Config
 from eagle3d.statemachine.config_in_force import load_in_force
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import STATUSES, Ledger
 from eagle3d.statemachine.statefile import read_state
 from tests.conftest import write_conversations

@@ -32,7 +32,7 @@ import psutil
 
 from eagle3d.dataset import contract as capture_contract, dumpformat
 from eagle3d.statemachine import layout, pointer, runs
-from eagle3d.statemachine.config import ConfigError, load_config
+from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.harness import describe, end, kill9, processes_of
 from tests.conftest import make_config, venv_bin, write_conversations

@@ -13,7 +13,7 @@ import pytest
 
 from eagle3d.dataset import contract as capture_contract, dumpformat, readrate
 from eagle3d.statemachine import runs
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from tests.chaos.figures import SCALE
 from tests.chaos.harness import (audit, chaos_config, counts, describe, end, kill9,
                                  orphans_after_kill, until)

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from eagle3d.daemon import control
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.figures import SCALE, SEED
 from tests.chaos.harness import (audit, chaos_config, counts, describe, end, events_after, kill9,

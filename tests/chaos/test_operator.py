@@ -15,7 +15,7 @@ import tomli_w
 
 from eagle3d.daemon import control
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.harness import chaos_config, until
 from tests.conftest import make_config, venv_bin, write_conversations

@@ -15,7 +15,7 @@ import pytest
 
 from eagle3d.capture.planner import owned
 from eagle3d.dataset.conversations import iter_conversations
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from tests.chaos.figures import SCALE, SEED
 from tests.chaos.harness import EVAL, TRAIN, audit, counts, describe, end, kill9, until
 from tests.conftest import shard_configs

@@ -21,7 +21,7 @@ import pytest
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset import checksum
-from eagle3d.statemachine.config import load_config
+from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos.harness import audit, chaos_config, counts, until
 from tests.pipeline import DaemonProcess, ctl, fill_file_system

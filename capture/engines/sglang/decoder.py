@@ -12,7 +12,7 @@ from typing import Any
 
 from eagle3d.capture.engines.sglang import client
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
-from eagle3d.statemachine.config import Config, GenerateConfig
+from eagle3d.statemachine.config_schema import Config, GenerateConfig
 from eagle3d.statemachine.entry import Refusal
 from eagle3d.target import loading
 

@@ -17,7 +17,7 @@ from eagle3d.capture.engines.sglang.plugin import SPOT_FOLDER, failed_writes
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
 from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN, NAME, SPOT_PREFIX
 from eagle3d.statemachine.atomic import temp_path
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 
 log = logging.getLogger("eagle3d")
 

@@ -20,7 +20,7 @@ from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
 from eagle3d.capture.engines.sglang.spec import ENTRY_POINT_GROUP, PLUGIN_NAME
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 
 # The versions whose source the plugin was checked against: the `sglang.srt.plugins` hook
 # registry exists from 0.5.11, DeepSeek's current layer-id rule from 0.5.13, and the per-phase

@@ -33,8 +33,8 @@ from eagle3d.capture.engines.sglang.client import SGLangClient, Startup
 from eagle3d.capture.engines.sglang.launcher import check_version, launch_command
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
 from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN
-from eagle3d.statemachine.config import (DUMP_DTYPES, Config, DataConfig, PathsConfig,
-                                         SGLangConfig, TargetConfig)
+from eagle3d.statemachine.config_schema import (DUMP_DTYPES, Config, DataConfig, PathsConfig,
+                                                SGLangConfig, TargetConfig)
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, token_ids
 
@@ -203,7 +203,7 @@ def check_dataset(config_path: Path, count: int) -> tuple[list[str], dict]:
     """The dumps a finished run wrote to its dataset (the daemon's own extraction, by whichever
     engine its config names) against transformers' forward of the same token ids: the first
     `count` verified samples, by plan order."""
-    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_validation import load_config
     cfg = load_config(config_path)
     captured = contract_mod.read_checked(cfg.paths.dataset_dir)
     with Ledger(layout.ledger(cfg.paths.state_dir), readonly=True) as ledger:

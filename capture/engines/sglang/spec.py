@@ -10,7 +10,7 @@ from typing import Any
 
 from eagle3d.capture.engines import (Command, EngineSpec, EngineUnavailable, GenerationServer,
                                      Spawn, register)
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 
 NAME = "sglang"
 

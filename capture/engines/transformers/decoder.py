@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from eagle3d.statemachine.config import Config, GenerateConfig
+from eagle3d.statemachine.config_schema import Config, GenerateConfig
 from eagle3d.target import loading
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from eagle3d.capture.engines import Command, EngineSpec, Spawn, generator_argv, register
 from eagle3d.statemachine import entry
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 
 NAME = "transformers"
 

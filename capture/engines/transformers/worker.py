@@ -62,7 +62,7 @@ from torch import nn
 from eagle3d.dataset import contract, dumpformat, precision
 from eagle3d.target import identity, loading
 from eagle3d.target.taps import LayerTap, decoder_of
-from eagle3d.statemachine.config import Config
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.entry import OK, ContractMismatch, child_main
 
 
