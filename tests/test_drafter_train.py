@@ -697,7 +697,7 @@ def test_a_single_process_training_listens_on_no_network_address(tmp_path, data_
     loopback, from its start to its last step: watched over its whole process tree, as the
     daemon starts it (trainer_argv)."""
     from eagle3d.daemon.train_stage import trainer_argv
-    from eagle3d.statemachine.config import load_config
+    from eagle3d.statemachine.config_validation import load_config
     config = write_config(tmp_path, data_root, {**SMALL, "max_steps": 3})
     proc = subprocess.Popen(trainer_argv(load_config(config), config),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -720,14 +720,14 @@ def test_a_gguf_targets_embedding_and_head_are_read_from_its_conversion_not_by_l
     script = (
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from eagle3d.statemachine.config import resolve_location\n"
+        "from eagle3d.statemachine.config_schema import resolve_location\n"
         "from eagle3d.drafter.target_weights import load_embedding_and_head\n"
         f"embed, head = load_embedding_and_head(resolve_location({MODEL!r}, Path('.')))\n"
         "print('transformers.models.llama.modeling_llama' in sys.modules)\n"
         "torch.save({'embed': embed, 'head': head}, sys.argv[1])\n")
     import tempfile
     import torch
-    from eagle3d.statemachine.config import resolve_location
+    from eagle3d.statemachine.config_schema import resolve_location
     from eagle3d.target.loading import load_model
     with tempfile.NamedTemporaryFile(suffix=".pt") as out:
         run = subprocess.run([PY, "-c", script, out.name], capture_output=True, text=True,

