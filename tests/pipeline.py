@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import tomli_w
 
-from eagle3d.daemon import ctl as ctl_mod
+from eagle3d.ctl import main as ctl_mod
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from tests.conftest import venv_bin, write_conversations
 
