@@ -1,6 +1,7 @@
-"""The train stage: torchrun with the drafter trainer, restarted from its last checkpoint when it
-dies (bounded), then the acceptance-length evaluation, then the `done.json` marker that ties
-the drafter to the manifest it was trained on.
+"""The train stage: the drafter trainer (its ranks started by drafter.launch on one node, by
+torchrun on several), restarted from its last checkpoint when it dies (bounded), then the
+acceptance-length evaluation, then the `done.json` marker that ties the drafter to the manifest
+it was trained on.
 
 The manifest's fingerprint is taken when a child starts, and `done.json` is written only if it
 is still the current one when the evaluation exits: an exclude meanwhile trains again. Leaving
@@ -33,23 +34,23 @@ HELD_KEY = "train.key"
 def trainer_argv(cfg: Config, config_path: Path) -> list[str]:
     """The trainer's command for this node's share of its processes, reading `config_path`.
 
-    One process on one node runs the trainer alone, without torchrun: it needs no process group
-    (drafter.train.init_runtime), and torchrun's agent would open its TCPStore on every
-    interface, which no flag of torch 2.13 binds to loopback. Several processes use torchrun
-    (--standalone on one node). Several nodes meet at node 0's [train] rendezvous through
-    torchrun's static rendezvous: it makes node k's processes ranks k·nproc … k·nproc + nproc - 1,
-    so rank 0 (which checks the ledger, checkpoints and exports) is always on node 0, beside the
-    daemon. (The c10d rendezvous orders nodes by host name and pid instead and ignores
-    --node_rank.)"""
+    One node listens on no network address: one process runs the trainer alone (it needs no
+    process group: drafter.train.init_runtime), several are started by drafter.launch, whose
+    ranks meet in a private FileStore and keep their sockets on loopback. torchrun's agent would
+    open its TCPStore on every interface, which no flag of torch 2.13 binds to loopback. Several
+    nodes meet at node 0's [train] rendezvous through torchrun's static rendezvous: it makes node
+    k's processes ranks k·nproc … k·nproc + nproc - 1, so rank 0 (which checks the ledger,
+    checkpoints and exports) is always on node 0, beside the daemon. (The c10d rendezvous orders
+    nodes by host name and pid instead and ignores --node_rank.)"""
     t = cfg.train
-    trainer = ["-m", "eagle3d.drafter.train", "-c", str(config_path)]
-    if t.nnodes == 1 and t.nproc == 1:
-        return [sys.executable, *trainer]
-    nodes = (["--standalone"] if t.nnodes == 1 else
-             [f"--nnodes={t.nnodes}", f"--node_rank={t.node_rank}", "--rdzv_backend=static",
-              f"--rdzv_endpoint={t.rendezvous}"])
-    return [sys.executable, "-m", "torch.distributed.run", *nodes,
-            f"--nproc_per_node={t.nproc}", *trainer]
+    config = ["-c", str(config_path)]
+    if t.nnodes == 1:
+        module = "eagle3d.drafter.train" if t.nproc == 1 else "eagle3d.drafter.launch"
+        return [sys.executable, "-m", module, *config]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={t.nnodes}",
+            f"--node_rank={t.node_rank}", "--rdzv_backend=static",
+            f"--rdzv_endpoint={t.rendezvous}", f"--nproc_per_node={t.nproc}",
+            "-m", "eagle3d.drafter.train", *config]
 
 
 def eval_argv(cfg: Config) -> list[str]:

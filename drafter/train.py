@@ -1,9 +1,9 @@
-"""Train the EAGLE-3 drafter: `python -m eagle3d.drafter.train -c CONFIG`, under `torchrun
---nproc_per_node N` for several processes.
+"""Train the EAGLE-3 drafter: `python -m eagle3d.drafter.train -c CONFIG`, started by
+`eagle3d.drafter.launch` for several processes on one node and by torchrun on several nodes.
 
 Reads the verified dataset (refusing one that no longer matches the ledger or a target that is
 not the dataset's, with the exit codes of statemachine/entry.py, also written to refusal.json
-since torchrun turns them into 1; a file changed since verify passed it, by its size and time
+since torchrun turns them into 1 (the launcher keeps them); a file changed since verify passed it, by its size and time
 at the start or by its checksum as the reader reads it, is refused naming its sample, which the
 daemon sends back to verify), builds
 or reloads the draft vocabulary, trains with the training-time test under DDP, checkpoints every
@@ -35,6 +35,7 @@ from eagle3d.target.loading import cpu_computes_bf16, pick_device
 from eagle3d.target.loading import load_config as load_target_config
 from eagle3d.drafter import checkpoint, data, loss as loss_mod, reader, vocab as vocab_mod
 from eagle3d.drafter.export import export
+from eagle3d.drafter.launch import RENDEZVOUS_ENV
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.plots import plot_metrics
 from eagle3d.drafter.reporting import Reporter, StepFigures
@@ -80,7 +81,12 @@ def init_runtime(cfg: Config) -> Runtime:
         device = torch.device("cpu")
         torch.set_num_threads(cfg.train.threads or max(1, (os.cpu_count() or 1) // local_world))
     if world > 1:
-        dist.init_process_group("nccl" if kind == "cuda" else "gloo")
+        # One node's ranks meet in the launcher's FileStore (drafter/launch.py), several nodes'
+        # through torchrun's environment.
+        store = os.environ.get(RENDEZVOUS_ENV)
+        dist.init_process_group("nccl" if kind == "cuda" else "gloo",
+                                init_method=f"file://{store}" if store else "env://",
+                                rank=rank, world_size=world)
     return Runtime(rank, world, local_rank, local_world, device)
 
 
@@ -528,7 +534,8 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     try:
         return train(cfg, rt)
     except Refusal as exc:
-        # Under torchrun the exit code reaches the daemon as 1: the file says what it was.
+        # Under torchrun (several nodes) the exit code reaches the daemon as 1: the file says
+        # what it was.
         train_files.write_refusal(cfg.paths.train_dir, train_files.Refused(
             exc.code, str(exc), exc.samples))
         raise
@@ -538,9 +545,11 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # If torchrun dies (with the daemon, by kill -9), checkpoint and stop instead of lingering.
+    # If the launcher or torchrun dies (with the daemon, by kill -9), checkpoint and stop
+    # instead of lingering.
     die_with_parent(signal.SIGTERM)
-    return child_main("trainer", "Train the EAGLE-3 drafter (run under torchrun).", _run, argv)
+    return child_main("trainer", "Train the EAGLE-3 drafter (one process, or a rank started by "
+                      "eagle3d.drafter.launch or torchrun).", _run, argv)
 
 
 if __name__ == "__main__":

@@ -214,6 +214,12 @@ def vocab_file(train_dir: Path) -> Path:
     return Path(train_dir) / "vocab.safetensors"
 
 
+def rendezvous_file(train_dir: Path) -> Path:
+    """Where the ranks of one node meet (drafter/launch.py): a FileStore in a folder of mode
+    0700, so that no socket listens for them and no other user reads or writes it."""
+    return Path(train_dir) / "rendezvous" / "store"
+
+
 def compile_cache_dir(train_dir: Path) -> Path:
     """torch.compile's kernels for the trainer on CUDA (drafter/train.py): beside the checkpoints,
     so that a resumed trainer finds them where the service's private /tmp has been emptied."""

@@ -1,7 +1,10 @@
-"""Training for real: torchrun with gloo on CPU, checkpoints that survive kill -9, the refusal
-of a dataset that does not match the ledger. The dataset is the real SmolLM2 fixture."""
+"""Training for real: gloo on CPU (one node's ranks as the daemon starts them, torchrun for
+several nodes), checkpoints that survive kill -9, the refusal of a dataset that does not match
+the ledger. The dataset is the real SmolLM2 fixture."""
 
+import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,9 +21,11 @@ SMALL = {"draft_vocab": 2048, "ttt_steps": 2, "epochs": 1.0, "batch_tokens": 102
          "warmup_steps": 2, "threads": 1}
 
 
-def train_cmd(config: Path, nproc: int = 1) -> list[str]:
-    return [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "eagle3d.drafter.train", "-c", str(config)]
+def train_cmd(config: Path) -> list[str]:
+    """The trainer's command as the daemon gives it for `config` ([train] nproc processes)."""
+    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.statemachine.config_validation import load_config
+    return trainer_argv(load_config(config), config)
 
 
 def metrics(train_dir: Path) -> list[dict]:
@@ -39,7 +44,7 @@ def wait_for_steps(train: Path, steps: int, seconds: float) -> None:
 
 
 def kill_tree(proc: subprocess.Popen, sig: int, wait: bool = True) -> None:
-    """Signal torchrun and its workers (which run in their own process groups)."""
+    """Signal the trainer's command and every process under it."""
     import psutil
     for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
         p.send_signal(sig)
@@ -56,7 +61,7 @@ def data_root() -> Path:
 def test_two_processes_with_gloo_train_and_export(tmp_path, data_root):
     config = write_config(tmp_path, data_root, {**SMALL, "nproc": 2, "max_steps": 4,
                                                 "checkpoint_every": 2})
-    run = subprocess.run(train_cmd(config, 2), capture_output=True, text=True, timeout=600)
+    run = subprocess.run(train_cmd(config), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     train = tmp_path / "train"
     rows = metrics(train)
@@ -472,10 +477,10 @@ def test_a_resume_with_another_process_count_goes_on_where_the_epoch_stood(tmp_p
     from eagle3d.statemachine import manifest as manifest_mod
     settings = {**SMALL, "checkpoint_every": 2}
     two = write_config(tmp_path, data_root, {**settings, "nproc": 2, "max_steps": 2})
-    run = subprocess.run(train_cmd(two, 2), capture_output=True, text=True, timeout=600)
+    run = subprocess.run(train_cmd(two), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     one = write_config(tmp_path, data_root, {**settings, "nproc": 1})
-    run = subprocess.run(train_cmd(one, 1), capture_output=True, text=True, timeout=600)
+    run = subprocess.run(train_cmd(one), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert ("resuming a 2-process run with 1 processes: epoch 0 goes on from batch 4 of its "
             "order, as step 4") in run.stderr
@@ -584,8 +589,8 @@ def test_a_dataset_file_written_since_verify_is_refused_at_the_start_naming_it(t
 def test_a_bit_flipped_since_verify_is_refused_by_its_checksum_before_it_is_trained_on(
         tmp_path, data_root):
     """Bit rot in a file of the first batch: size and time are verify's, so only the checksum
-    the reader checks as it reads can tell. The trainer under torchrun stops before its first
-    step, naming the file and its sample in refusal.json (torchrun exits 1)."""
+    the reader checks as it reads can tell. The trainer stops before its first step, naming the
+    file and its sample in refusal.json."""
     copy, sample = changed_copy(tmp_path, data_root, keep_time=True)
     config = write_config(tmp_path, copy, SMALL)
     run = subprocess.run(train_cmd(config), capture_output=True, text=True, timeout=600)
@@ -691,16 +696,50 @@ def wildcard_listeners(root: subprocess.Popen) -> set[tuple[str, str, int]]:
     return found
 
 
+def start_as_the_daemon_does(config: Path, env: dict[str, str] | None = None
+                             ) -> subprocess.Popen:
+    """The trainer's command from the daemon, in a session of its own as the daemon's children
+    are."""
+    return subprocess.Popen(train_cmd(config), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True, env={**os.environ, **(env or {})})
+
+
+def tree(proc: subprocess.Popen) -> list:
+    """`proc` and its descendants, those still alive."""
+    import psutil
+    try:
+        return [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def trainer_ranks(proc: subprocess.Popen, count: int) -> list:
+    """The `count` trainer ranks under `proc`, once they have all started."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        ranks = [p for p in tree(proc)[1:] if "eagle3d.drafter.train" in " ".join(p.cmdline())]
+        if len(ranks) == count:
+            return ranks
+        time.sleep(0.05)
+    pytest.fail(f"{count} trainer ranks did not start")
+
+
 @pytest.mark.slow
-def test_a_single_process_training_listens_on_no_network_address(tmp_path, data_root):
-    """On a shared server the trainer of one node and one process opens no port beyond
-    loopback, from its start to its last step: watched over its whole process tree, as the
-    daemon starts it (trainer_argv)."""
-    from eagle3d.daemon.train_stage import trainer_argv
-    from eagle3d.statemachine.config_validation import load_config
-    config = write_config(tmp_path, data_root, {**SMALL, "max_steps": 3})
-    proc = subprocess.Popen(trainer_argv(load_config(config), config),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_one_node_training_listens_on_no_network_address(tmp_path, data_root, nproc):
+    """On a shared server the trainer of one node opens no port beyond loopback, from its
+    start to its last step: watched over its whole process tree, as the daemon starts it
+    (trainer_argv), with one process and with two (gloo's sockets included)."""
+    import ipaddress
+    import socket
+    import psutil
+    config = write_config(tmp_path, data_root, {**SMALL, "nproc": nproc, "max_steps": 3})
+    # Where the host's name resolves to its network address gloo binds that address, as it
+    # binds the interface named here: the ranks must keep to loopback all the same.
+    network = [name for name, addresses in psutil.net_if_addrs().items()
+               if not any(ipaddress.ip_address(a.address.split("%")[0]).is_loopback
+                          for a in addresses if a.family in (socket.AF_INET, socket.AF_INET6))]
+    proc = start_as_the_daemon_does(config, {"GLOO_SOCKET_IFNAME": network[0]} if network else {})
     seen: set = set()
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
@@ -738,3 +777,48 @@ def test_a_gguf_targets_embedding_and_head_are_read_from_its_conversion_not_by_l
     model = load_model(resolve_location(MODEL, Path(".")), "float32", "cpu")
     assert torch.equal(got["embed"], model.get_input_embeddings().weight)
     assert torch.equal(got["head"], model.get_output_embeddings().weight)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_stops_the_others_and_the_launch_fails(tmp_path, data_root):
+    """kill -9 of one rank of a one-node training: the other is stopped, the command the
+    daemon started exits non-zero (the daemon restarts it from its checkpoint), and no process
+    of the training is left."""
+    import psutil
+    config = write_config(tmp_path, data_root, {**SMALL, "nproc": 2, "max_steps": 50,
+                                                "stop_grace_s": 5})
+    proc = start_as_the_daemon_does(config)
+    try:
+        wait_for_steps(tmp_path / "train", 1, 600)
+        ranks = trainer_ranks(proc, 2)
+        everyone = tree(proc)
+        ranks[1].kill()
+        proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        _, alive = psutil.wait_procs(everyone, timeout=10)
+        assert not alive, alive
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # what a failure left: the ranks share its group
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_two_rank_training_checkpoints_and_it_resumes(tmp_path, data_root):
+    """The daemon's stop (SIGTERM to the command it started, here to it alone): both ranks
+    checkpoint at the same step and exit, the command exits 0, and the next start resumes."""
+    config = write_config(tmp_path, data_root, {**SMALL, "nproc": 2, "max_steps": 6,
+                                                "checkpoint_every": 1000})
+    train = tmp_path / "train"
+    proc = start_as_the_daemon_does(config)
+    wait_for_steps(train, 2, 600)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    done = len(metrics(train))
+    assert done < 6, "the run ended before it could be stopped"
+    assert (train / "checkpoints" / f"step-{done:08d}" / "state.pt").exists()
+    resumed = start_as_the_daemon_does(config)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resuming at step {done}" in err
+    assert [r["step"] for r in metrics(train)] == list(range(1, 7))

@@ -1,6 +1,6 @@
 """The train stage: its children are small real processes that exit as a trainer or an
 evaluation would, and the stage's answers to each exit are checked; and once the real trainer
-under torchrun, refusing its target."""
+of two ranks, refusing its target."""
 
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def test_a_refusal_left_by_an_earlier_trainer_does_not_count(stage):
 
 
 def refuses_changed(cfg, samples: list[str]) -> list[str]:
-    """A trainer under torchrun that found these samples' files changed since verify."""
+    """A trainer of several nodes (torchrun exits 1) that found these samples' files changed
+    since verify."""
     refused = train_files.Refused(entry.DATASET_CHANGED, "refusing to train: a file changed",
                                   tuple(samples))
     return exits_with(1, "from eagle3d.statemachine import train_files\n"
@@ -119,11 +120,12 @@ def test_a_changed_dataset_file_sends_its_sample_back_to_verify_without_a_restar
 
 
 @pytest.mark.slow
-def test_a_contract_refusal_under_torchrun_fails_the_stage_with_its_reason(config_factory,
-                                                                            tmp_path):
-    """torchrun exits 1 whatever code its workers exit with: the real trainer, two gloo
-    processes, refuses a target whose weights were replaced after the capture, and the stage
-    must still see CONTRACT_MISMATCH and stop with the trainer's reason, not restart it."""
+def test_a_contract_refusal_of_two_ranks_fails_the_stage_with_its_reason(config_factory,
+                                                                         tmp_path):
+    """The real trainer, two gloo processes started by the launcher, refuses a target whose
+    weights were replaced after the capture: the stage sees CONTRACT_MISMATCH (the launcher
+    keeps the ranks' code; torchrun, for several nodes, would exit 1 and refusal.json says it)
+    and stops with the trainer's reason, not restarting it."""
     import torch
     from drafter_fixtures import contract_for, planned_sample, record_dataset
     target = tmp_path / "target"
@@ -172,16 +174,16 @@ def test_the_trainer_command_of_one_node_and_of_several(config_factory):
     # One process trains without torchrun, whose agent would listen on every interface.
     assert train_stage.trainer_argv(alone, alone.path)[1:] == [
         "-m", "eagle3d.drafter.train", "-c", str(alone.path)]
+    # Several processes of one node are started by our launcher, which listens nowhere either.
     one = load_config(config_factory({"train": {"nproc": 8}}))
     argv = train_stage.trainer_argv(one, layout.config_in_force(one.paths.state_dir))
-    assert argv[1:] == ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=8",
-                        "-m", "eagle3d.drafter.train", "-c",
+    assert argv[1:] == ["-m", "eagle3d.drafter.launch", "-c",
                         str(one.paths.state_dir / "config.toml")]
     node = load_config(config_factory({"train": {"nproc": 8, "nnodes": 4, "node_rank": 3,
                                                  "rendezvous": "[fd00::1]:29400"}}, "n3.toml"))
     argv = train_stage.trainer_argv(node, node.path)
     # Static rendezvous: node k's processes are ranks 8k .. 8k+7, so rank 0 is on node 0.
-    assert argv[3:8] == ["--nnodes=4", "--node_rank=3", "--rdzv_backend=static",
+    assert argv[1:8] == ["-m", "torch.distributed.run", "--nnodes=4", "--node_rank=3", "--rdzv_backend=static",
                          "--rdzv_endpoint=[fd00::1]:29400", "--nproc_per_node=8"]
     assert argv[-2:] == ["-c", str(node.path)]
 

@@ -190,7 +190,8 @@ def end(procs: list[psutil.Process]) -> None:
 
 
 def rank_processes(trainer_pid: int) -> list[psutil.Process]:
-    """torchrun's worker processes (the trainer ranks) under the daemon's trainer child."""
+    """The trainer ranks under the daemon's trainer child (our launcher's on one node,
+    torchrun's workers on several)."""
     try:
         kids = psutil.Process(trainer_pid).children(recursive=True)
     except psutil.Error:
