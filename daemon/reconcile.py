@@ -36,7 +36,7 @@ from typing import Any, Callable, NamedTuple
 
 from eagle3d.daemon import budgets, control, metrics, pipeline, progress, requests, run_select
 from eagle3d.daemon.children import end_orphans
-from eagle3d.daemon.condition import Conditions, describe
+from eagle3d.daemon.condition import Conditions, StartFailed, describe, start_failure
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
@@ -91,11 +91,16 @@ class Daemon:
         if problem:
             raise ConfigError(problem)
         self.root_cfg = cfg  # the configured folders: the runs live under them
+        self.cfg = cfg  # the current run's once entered: the ledger a failed start names
         self.until = until
         self.engine_factory = engine_factory
-        prepare_dirs(cfg)
-        # Before anything that acts on the folder: ending orphans, the config in force, the ledger.
-        self.lock = daemon_lock.hold(cfg.paths.state_dir)
+        try:
+            prepare_dirs(cfg)
+            # Before anything that acts on the folder: ending orphans, the config in force, the
+            # ledger.
+            self.lock = daemon_lock.hold(cfg.paths.state_dir)
+        except Exception as exc:
+            raise start_failure(exc, layout.ledger(cfg.paths.state_dir)) from None
         # Every run's children have their pid files here, so that a daemon restarted on another
         # run still ends the orphans of the run it crashed in.
         self.pid_dir = layout.children_dir(cfg.paths.state_dir)
@@ -119,7 +124,11 @@ class Daemon:
         self._last_snapshot: dict[str, Any] | None = None
         self._last_ping = float("-inf")  # monotonic, as every interval here
         self._last_progress = float("-inf")  # monotonic: a clock step never silences them
-        self.enter(run_select.select(cfg))
+        try:
+            self.enter(run_select.select(cfg))
+        except Exception as exc:
+            self.lock.close()  # nothing else is held yet: no child runs before the first tick
+            raise start_failure(exc, layout.ledger(self.cfg.paths.state_dir)) from None
 
     def enter(self, selected: runs.Selected) -> None:
         """Work on `selected`'s run from now on: its folders, its ledger, its stages."""
@@ -509,9 +518,13 @@ class Daemon:
 
 
 def run(config_path: str, until: str | None) -> int:
+    """The daemon's life; a start that fails is one log line and its exit code, no traceback."""
     try:
         daemon = Daemon(load_config(config_path), until)
-    except (ConfigError, daemon_lock.Held) as exc:
+    except ConfigError as exc:  # the config itself, before anything is touched
         log.error("%s", exc)
         return entry.REFUSED
+    except StartFailed as exc:
+        log.error("%s", exc)
+        return exc.code
     return daemon.run()
