@@ -278,22 +278,35 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping (within %.0f s)", STOP_BUDGET_S)
         self.stopping = True
-        if self.switching is not None:  # the set-aside run's stages are stopping already
-            self.switching.stopper.join(max(0.0, deadline - time.monotonic()))
-            self.switching = None  # the run stays current: the next start switches again
-        else:
-            self.stop_stages(deadline, "daemon stopped")
-        self.record("daemon_stopped", f"pid {os.getpid()}")
-        self.publish(final=True)
-        pointer.remove(self.cfg.path)
-        self.lock.close()
+        try:
+            if self.switching is not None:  # the set-aside run's stages are stopping already
+                self.switching.stopper.join(max(0.0, deadline - time.monotonic()))
+                self.switching = None  # the run stays current: the next start switches again
+            else:
+                self.stop_stages(deadline, "daemon stopped")
+            self.record("daemon_stopped", f"pid {os.getpid()}")
+            self.publish(final=True)
+        finally:  # whatever failed above: the next daemon must be able to start at once
+            pointer.remove(self.cfg.path)
+            self.lock.close()
 
     def stop_stages(self, deadline: float, why: str) -> None:
         """Every stage's children ended within their graces, last stage first (the trainer's
-        checkpoint is never squeezed by the ingest's wait); what was in flight back to pending."""
+        checkpoint is never squeezed by the ingest's wait); what was in flight back to pending.
+        A stage whose stop fails (its ledger's disk gone read-only) keeps no other stage from
+        ending its children, and a failure is one log line: the next start's recovery returns
+        what is left in flight."""
         for stage in reversed(self.stages):
-            stage.stop(deadline)
-        self.ledger.requeue_inflight(why)
+            self._stop_step(f"stopping the {stage.name} stage", lambda: stage.stop(deadline))
+        self._stop_step("returning in-flight samples to pending",
+                        lambda: self.ledger.requeue_inflight(why))
+
+    def _stop_step(self, what: str, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except Exception as exc:
+            log.error("%s; the next start takes it up",
+                      describe(what, exc, layout.ledger(self.cfg.paths.state_dir)))
 
     # ---- the tick -----------------------------------------------------------------------------
 

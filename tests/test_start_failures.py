@@ -1,7 +1,8 @@
-"""A start that fails, as the operator sees it: the daemon's output is one line naming the file
-and what to do, never a traceback, and its exit code tells systemd whether to start it again
-(2: the operator must act; 75: it may mend by itself). Real damaged files, a real second process
-holding the ledger, a real tmpfs remounted read-only."""
+"""A start that fails, and a stop that fails, as the operator sees them: the daemon's output is
+one line naming the file and what to do, never a traceback; a failed start's exit code tells
+systemd whether to start it again (2: the operator must act; 75: it may mend by itself), and a
+stop that cannot write its ledger still ends cleanly and releases the state folder. Real damaged
+files, a real second process holding the ledger, a real tmpfs remounted read-only."""
 
 from __future__ import annotations
 
@@ -144,4 +145,30 @@ def test_a_state_disk_read_only_at_start_exits_75_and_the_next_start_goes_on(con
         subprocess.run(["mount", "-o", "remount,rw", str(disk)], check=True)
     with DaemonProcess(config) as d:
         d.status_until(lambda st: st["stage"] == "paused", 60, "the pause after the remount")
+        assert d.stop() == 0
+
+
+def test_a_stop_that_cannot_write_the_ledger_still_releases_the_folder(config_factory):
+    """Another process holds the ledger when SIGTERM comes: the stop cannot return what is in
+    flight, says so in one line, exits 0 and lets the state folder go: the next daemon starts
+    at once (its recovery returns what is left in flight)."""
+    config = paused_config(config_factory)
+    ledger = layout.ledger(load_config(config).paths.state_dir)
+    with DaemonProcess(config) as d:
+        d.status_until(lambda st: st["stage"] == "paused", 60, "the pause")
+        # The writer's lock: the running daemon's connection keeps the exclusive mode out.
+        holder = subprocess.Popen([sys.executable, "-c", WRITER, str(ledger)],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            assert d.stop() == 0, d.output()[-4000:]
+        finally:
+            holder.kill()
+            holder.wait()
+        out = d.output()
+        assert "Traceback" not in out, out
+        assert (f"ledger locked (another process holds {ledger}; while returning in-flight "
+                "samples to pending); the next start takes it up") in out, out
+    with DaemonProcess(config) as d:
+        d.status_until(lambda st: st["stage"] == "paused", 60, "the next start")
         assert d.stop() == 0
