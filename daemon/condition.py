@@ -62,7 +62,8 @@ def start_failure(exc: Exception, ledger: Path) -> StartFailed:
     if isinstance(exc, sqlite3.Error):
         what, passing = ledger_file.problem(ledger, exc)
     elif isinstance(exc, OSError):
-        what = f"{exc.filename or ledger.parent}: {exc.strerror}"
+        # A rename's target, not its temporary file: the place the operator knows.
+        what = f"{exc.filename2 or exc.filename or ledger.parent}: {exc.strerror}"
         passing = exc.errno in _DISK_ERRNOS
     else:  # a bug: where it happened, for its report (the rest of the traceback is noise here)
         where = traceback.extract_tb(exc.__traceback__)[-1]

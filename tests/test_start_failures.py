@@ -84,6 +84,17 @@ def test_a_damaged_runs_registry_is_one_line_and_exit_2(config_factory):
     status_says(config, "NOT RUNNING")
 
 
+def test_a_folder_in_the_config_in_force_place_is_one_line_and_exit_2(config_factory):
+    config = config_factory()
+    in_force = layout.config_in_force(load_config(config).paths.state_dir)
+    in_force.mkdir(parents=True)
+    (in_force / "notes").write_text("an operator's")
+    code, out = start(config)
+    assert code == entry.REFUSED, out
+    one_line(out, f"cannot start: {in_force}: Is a directory", "exit 2")
+    status_says(config, "NOT RUNNING")
+
+
 def test_a_failed_start_releases_the_state_folder(config_factory):
     """In-process as in a test or an embedding: the lock goes with the failed start."""
     cfg = load_config(config_factory())
