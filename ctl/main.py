@@ -34,7 +34,7 @@ from typing import Any, Callable
 from eagle3d.ctl import stage_views
 from eagle3d.daemon.completion import add_completion_option
 from eagle3d.daemon.progress import human_s
-from eagle3d.statemachine import layout, pointer
+from eagle3d.statemachine import layout, ledger as ledger_file, pointer
 from eagle3d.statemachine.config_in_force import load_in_force
 from eagle3d.statemachine.config_schema import DERIVED, Config, human_bytes
 from eagle3d.statemachine.config_validation import ConfigError, load_config
@@ -95,9 +95,14 @@ def collect_status(cfg: Config) -> dict[str, Any]:
                 blocking.append({"id": s.id, "status": s.status, "attempts": s.attempts,
                                  "error": s.error})
             out["skipped_reasons"] = ledger.skipped_reasons()
-    except (LedgerError, sqlite3.Error) as exc:
+    except LedgerError as exc:  # none yet, or of a newer eagle3d
         if state:
-            ledger_problem = f"ledger not readable right now ({exc}); counts are from state.toml"
+            ledger_problem = f"ledger not readable ({exc}); counts are from state.toml"
+        out["gate"] = state.get("gate", {})
+    except sqlite3.Error as exc:  # locked, or damaged: said whether or not the daemon ran
+        what, passing = ledger_file.problem(layout.ledger(cfg.paths.state_dir), exc)
+        ledger_problem = (f"ledger not readable{' right now' if passing else ''} ({what})"
+                          + ("; counts are from state.toml" if state else ""))
         out["gate"] = state.get("gate", {})
     out["ledger_problem"] = ledger_problem
     for s in STATUSES + ("total", "skipped"):

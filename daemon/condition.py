@@ -12,9 +12,13 @@ import errno
 import logging
 import sqlite3
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from eagle3d.statemachine import entry, ledger as ledger_file
+from eagle3d.statemachine.config_validation import ConfigError
 
 log = logging.getLogger("eagle3d")
 
@@ -33,6 +37,43 @@ def describe(where: str, exc: BaseException, ledger: Path) -> str:
     if isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS:
         return f"{exc.strerror} ({exc.filename or ledger.parent}; while {where})"
     return f"{type(exc).__name__}: {text} (while {where})"
+
+
+class StartFailed(Exception):
+    """The daemon could not start: its one log line, and the exit code that tells systemd
+    whether starting it again may help (docs/operations.md, "When it restarts by itself")."""
+
+    def __init__(self, line: str, code: int) -> None:
+        super().__init__(line)
+        self.code = code
+
+
+def start_failure(exc: Exception, ledger: Path) -> StartFailed:
+    """An error that ended the daemon's start, as one line naming the file and what to do, and
+    its exit code: REFUSED (the unit does not restart it) for what only the operator mends, a
+    damaged ledger or a file the service may not write; RETRY for what may mend by itself.
+
+    What may mend exits rather than waits: before READY=1 nothing but the journal could say what
+    the daemon waits for, and systemd's start timeout would end a wait anyway. The unit starts it
+    again after RestartSec (30 s), which outlasts a backup's lock or a remount, and gives up after
+    its start limit (5 in 30 minutes), leaving the unit failed where an operator looks."""
+    if isinstance(exc, (ConfigError, entry.Refusal, ledger_file.LedgerError)):
+        return StartFailed(str(exc), entry.REFUSED)
+    if isinstance(exc, sqlite3.Error):
+        what, passing = ledger_file.problem(ledger, exc)
+    elif isinstance(exc, OSError):
+        # A rename's target, not its temporary file: the place the operator knows.
+        what = f"{exc.filename2 or exc.filename or ledger.parent}: {exc.strerror}"
+        passing = exc.errno in _DISK_ERRNOS
+    else:  # a bug: where it happened, for its report (the rest of the traceback is noise here)
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        return StartFailed(f"cannot start: {type(exc).__name__}: {exc} (at {where.filename}:"
+                           f"{where.lineno}); please report it", 1)
+    if passing:
+        return StartFailed(f"cannot start for now: {what}; exit {entry.RETRY}, to be started "
+                           "again (the unit restarts it after 30 s)", entry.RETRY)
+    return StartFailed(f"cannot start: {what}; exit {entry.REFUSED}: fix it, then start the "
+                       "daemon again", entry.REFUSED)
 
 
 @dataclass

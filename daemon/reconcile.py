@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 from eagle3d.capture import engines
 from eagle3d.daemon import budgets, control, metrics, pipeline, progress, requests, run_select
 from eagle3d.daemon.children import end_orphans
-from eagle3d.daemon.condition import Conditions, describe
+from eagle3d.daemon.condition import Conditions, StartFailed, describe, start_failure
 from eagle3d.daemon.engine import start_engine
 from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
@@ -93,11 +93,16 @@ class Daemon:
         if problem:
             raise ConfigError(problem)
         self.root_cfg = cfg  # the configured folders: the runs live under them
+        self.cfg = cfg  # the current run's once entered: the ledger a failed start names
         self.until = until
         self.engine_factory = engine_factory
-        prepare_dirs(cfg)
-        # Before anything that acts on the folder: ending orphans, the config in force, the ledger.
-        self.lock = daemon_lock.hold(cfg.paths.state_dir)
+        try:
+            prepare_dirs(cfg)
+            # Before anything that acts on the folder: ending orphans, the config in force, the
+            # ledger.
+            self.lock = daemon_lock.hold(cfg.paths.state_dir)
+        except Exception as exc:
+            raise start_failure(exc, layout.ledger(cfg.paths.state_dir)) from None
         # Every run's children have their pid files here, so that a daemon restarted on another
         # run still ends the orphans of the run it crashed in.
         self.pid_dir = layout.children_dir(cfg.paths.state_dir)
@@ -121,7 +126,11 @@ class Daemon:
         self._last_snapshot: dict[str, Any] | None = None
         self._last_ping = float("-inf")  # monotonic, as every interval here
         self._last_progress = float("-inf")  # monotonic: a clock step never silences them
-        self.enter(run_select.select(cfg))
+        try:
+            self.enter(run_select.select(cfg))
+        except Exception as exc:
+            self.lock.close()  # nothing else is held yet: no child runs before the first tick
+            raise start_failure(exc, layout.ledger(self.cfg.paths.state_dir)) from None
 
     def enter(self, selected: runs.Selected) -> None:
         """Work on `selected`'s run from now on: its folders, its ledger, its stages."""
@@ -271,22 +280,35 @@ class Daemon:
         self.notifier.stopping()
         log.info("stopping (within %.0f s)", STOP_BUDGET_S)
         self.stopping = True
-        if self.switching is not None:  # the set-aside run's stages are stopping already
-            self.switching.stopper.join(max(0.0, deadline - time.monotonic()))
-            self.switching = None  # the run stays current: the next start switches again
-        else:
-            self.stop_stages(deadline, "daemon stopped")
-        self.record("daemon_stopped", f"pid {os.getpid()}")
-        self.publish(final=True)
-        pointer.remove(self.cfg.path)
-        self.lock.close()
+        try:
+            if self.switching is not None:  # the set-aside run's stages are stopping already
+                self.switching.stopper.join(max(0.0, deadline - time.monotonic()))
+                self.switching = None  # the run stays current: the next start switches again
+            else:
+                self.stop_stages(deadline, "daemon stopped")
+            self.record("daemon_stopped", f"pid {os.getpid()}")
+            self.publish(final=True)
+        finally:  # whatever failed above: the next daemon must be able to start at once
+            pointer.remove(self.cfg.path)
+            self.lock.close()
 
     def stop_stages(self, deadline: float, why: str) -> None:
         """Every stage's children ended within their graces, last stage first (the trainer's
-        checkpoint is never squeezed by the ingest's wait); what was in flight back to pending."""
+        checkpoint is never squeezed by the ingest's wait); what was in flight back to pending.
+        A stage whose stop fails (its ledger's disk gone read-only) keeps no other stage from
+        ending its children, and a failure is one log line: the next start's recovery returns
+        what is left in flight."""
         for stage in reversed(self.stages):
-            stage.stop(deadline)
-        self.ledger.requeue_inflight(why)
+            self._stop_step(f"stopping the {stage.name} stage", lambda: stage.stop(deadline))
+        self._stop_step("returning in-flight samples to pending",
+                        lambda: self.ledger.requeue_inflight(why))
+
+    def _stop_step(self, what: str, step: Callable[[], object]) -> None:
+        try:
+            step()
+        except Exception as exc:
+            log.error("%s; the next start takes it up",
+                      describe(what, exc, layout.ledger(self.cfg.paths.state_dir)))
 
     # ---- the tick -----------------------------------------------------------------------------
 
@@ -511,9 +533,13 @@ class Daemon:
 
 
 def run(config_path: str, until: str | None) -> int:
+    """The daemon's life; a start that fails is one log line and its exit code, no traceback."""
     try:
         daemon = Daemon(engines.checked(load_config(config_path)), until)
-    except (ConfigError, daemon_lock.Held) as exc:
+    except ConfigError as exc:  # the config itself, before anything is touched
         log.error("%s", exc)
         return entry.REFUSED
+    except StartFailed as exc:
+        log.error("%s", exc)
+        return exc.code
     return daemon.run()

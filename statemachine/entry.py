@@ -28,6 +28,9 @@ CONTRACT_MISMATCH = 3
 # A dataset file is not what verify recorded (its size, time or checksum): the daemon sends its
 # sample back to verify, which re-reads it and has it extracted again if it is damaged.
 DATASET_CHANGED = 4
+# The daemon's start met what may mend by itself: a ledger another process holds, a disk full,
+# read-only or failing for now (sysexits' EX_TEMPFAIL). The unit restarts it; REFUSED it does not.
+RETRY = 75
 # Exits a restart cannot change: the same input meets the same refusal (a changed dataset file
 # too, where the daemon could not send its sample back: another node's).
 FINAL = (REFUSED, CONTRACT_MISMATCH, DATASET_CHANGED)

@@ -7,6 +7,7 @@ kept by triggers in a tiny table, so `eagle3ctl status` costs the same at 1k and
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import sys
 import time
@@ -82,6 +83,34 @@ END;
 
 class LedgerError(RuntimeError):
     pass
+
+
+# What another process or the disk does for a while: a lock held (an sqlite3 shell, a backup),
+# a disk full or failing.
+_PASSING = (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR)
+
+
+def problem(path: Path, exc: sqlite3.Error) -> tuple[str, bool]:
+    """What `exc`, raised on the ledger at `path`, says is wrong with it, in words an operator
+    acts on, and whether it may mend by itself (True) or takes the operator (False): a file that
+    is no SQLite database or is damaged, a folder in its place, one the service may not write."""
+    code = (exc.sqlite_errorcode or 0) & 0xFF  # the primary code of an extended one
+    if path.is_dir():  # read-only, SQLite calls it an I/O error
+        return (f"{path} is a folder where the ledger file belongs: move it away, and the "
+                "ledger back"), False
+    if code in _PASSING:
+        return f"{path}: {exc}", True
+    try:  # a read-only remount after an I/O error: a disk event, not the file's fault
+        if os.statvfs(path.parent).f_flag & os.ST_RDONLY:
+            return f"{path}: its file system is read-only ({exc})", True
+    except OSError:
+        pass
+    if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        return (f"{path} is damaged ({exc}): restore it from a backup, or salvage its rows "
+                f"(sqlite3 {path.name} .recover | sqlite3 recovered.sqlite) and put them in its "
+                "place"), False
+    return (f"{path} cannot be opened ({exc}): it must be a file that the service's user can "
+            "read and write, in a folder it can write"), False
 
 
 def _first_prompt_chars(messages: str) -> int:

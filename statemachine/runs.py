@@ -85,17 +85,17 @@ def read(state_root: Path) -> Registry:
     path = layout.runs_registry(state_root)
     try:
         doc = tomllib.loads(path.read_text())
+        runs = {rid: Run(id=rid, key=r["key"], model=r["model"], weights=r["weights"],
+                         contract=r["contract"], **{k: Path(r[k]) for k in FOLDERS},
+                         in_place=r["in_place"], created=r["created"],
+                         last_active=r["last_active"], forgotten=r.get("forgotten", ""))
+                for rid, r in doc.get("runs", {}).items()}
     except FileNotFoundError:
         return Registry(None, {})
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path} is unreadable ({exc}); the daemon writes it whole, so it was "
-                          "edited by hand: put it back") from None
-    runs = {}
-    for rid, r in doc.get("runs", {}).items():
-        runs[rid] = Run(id=rid, key=r["key"], model=r["model"], weights=r["weights"],
-                        contract=r["contract"], **{k: Path(r[k]) for k in FOLDERS},
-                        in_place=r["in_place"], created=r["created"],
-                        last_active=r["last_active"], forgotten=r.get("forgotten", ""))
+    # A run's key missing, or a value of the wrong type: as damaged as a TOML error.
+    except (OSError, tomllib.TOMLDecodeError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(f"{path} is unreadable ({type(exc).__name__}: {exc}); the daemon "
+                          "writes it whole, so it was edited by hand: put it back") from None
     return Registry(doc.get("current") or None, runs)
 
 
