@@ -204,7 +204,7 @@ class TrainStage:
         self.phase = "stopping"
         if self.supervisor.exited(None, why) is None:
             log.warning("restarting the trainer from its last checkpoint in %.0f s",
-                        self.supervisor.retry_at - time.time())
+                        self.supervisor.retry_at - time.monotonic())
 
     def _probe_disk(self) -> None:
         """Warn, once, where the dataset's disk is projected to read slower than the GPUs

@@ -72,7 +72,9 @@ while True:
 """
 
 
-def test_a_stopped_trainer_is_shown_silent_then_restarted(config_factory, monkeypatch):
+def test_a_stopped_trainer_is_shown_silent_then_restarted(config_factory, monkeypatch, caplog):
+    """The journal says when the restart comes: within its backoff, on the monotonic clock the
+    backoff runs on (it said "in -1796560000 s", the wall clock taken from a monotonic time)."""
     cfg = load_config(config_factory({"train": {"silence_s": 3, "max_restarts": 2,
                                                  "stop_grace_s": 2}}))
     cfg.paths.state_dir.mkdir(parents=True)
@@ -94,6 +96,9 @@ def test_a_stopped_trainer_is_shown_silent_then_restarted(config_factory, monkey
             wait_for(lambda: stage.step(train) or stage.child is None, 30, "the trainer stopped",
                      poll=0.2)
             assert stage.supervisor.restarts == 1 and stage.failure is None
+            said = [r.getMessage() for r in caplog.records
+                    if r.getMessage().startswith("restarting the trainer")]
+            assert len(said) == 1 and 0 <= float(said[0].split(" in ")[-1].split()[0]) <= 2, said
             stage.supervisor.retry_at = 0  # the backoff, elapsed
             wait_for(lambda: stage.step(train) or stage.child is not None, 60,
                      "a new trainer", poll=0.2)

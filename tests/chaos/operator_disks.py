@@ -31,7 +31,7 @@ from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos import operator_walk as ow
 from tests.chaos.operator_walk import Violation, World
-from tests.pipeline import DaemonProcess, edit_config
+from tests.pipeline import edit_config
 
 STATE_DISK = "160m"     # the state reserve (32 MiB) is taken back once twice that is free
 DATASET_DISK = "256m"   # LIFT (100 MiB) must stay free on it
@@ -234,11 +234,7 @@ def finish(world: World) -> None:
     edit_config(world.config, "budget", reserve=ow.LIFT)
     if ow.promise(world)[0] == "start-refused":
         return
-    t0 = time.monotonic()
-    world.daemon = DaemonProcess(world.config, "--until", "done", env=world.notify.env())
-    if world.paused and ow.wait(lambda: world.notify.after(t0, "READY=1"), 60):
-        ow.ctl(world, "resume")  # the operator's pause holds across restarts
-        world.paused = False
+    world.daemon = ow.until_done(world)
     deadline = time.monotonic() + 600
     while world.daemon.proc.poll() is None and time.monotonic() < deadline:
         loopback_only(world)

@@ -31,7 +31,7 @@ from eagle3d.dataset import contract as capture_contract, dumpformat
 from eagle3d.statemachine import layout, pointer
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.ledger import Ledger
-from tests.chaos import operator_disks, operator_walk as ow
+from tests.chaos import operator_clock, operator_disks, operator_walk as ow
 from tests.chaos.operator_walk import Violation, World
 from tests.pipeline import DaemonProcess, edit_config
 
@@ -343,13 +343,14 @@ ACTIONS = {**ow.ACTIONS, "sigstop": act_sigstop, "sigcont": act_sigcont,
            "hold-ledger": act_hold_ledger, "second-daemon": act_second_daemon,
            "hostile-config": act_hostile_config, "hostile-record": act_hostile_record,
            "hostile-dump": act_hostile_dump, "long-switch": act_long_switch,
-           **operator_disks.ACTIONS}
+           **operator_disks.ACTIONS, **operator_clock.ACTIONS}
 
 # The operator campaign's, with less editing and killing and the hostile actions; no `finish`
 # (training is the operator campaign's) so that a walk stays about a minute.
 WEIGHTS = {**ow.WEIGHTS, "edit": 8, "kill-daemon": 1, "finish": 0, "sigstop": 3, "sigcont": 2,
            "hold-ledger": 2, "second-daemon": 2, "hostile-config": 3, "hostile-record": 2,
-           "hostile-dump": 3, "long-switch": 1, **operator_disks.WEIGHTS}
+           "hostile-dump": 3, "long-switch": 1, **operator_disks.WEIGHTS,
+           **operator_clock.WEIGHTS}
 
 # Item 1 where check-config cannot refuse it: the next run's folder inside the last run's root.
 EDITS = [*ow.EDITS, ("paths", "dataset_dir", ["dataset/inner"]),
@@ -359,6 +360,7 @@ EDITS = [*ow.EDITS, ("paths", "dataset_dir", ["dataset/inner"]),
 def draw(rng: random.Random, name: str, p: dict[str, Any]) -> None:
     ow.draw(rng, name, p, EDITS)
     operator_disks.draw(rng, name, p)
+    operator_clock.draw(rng, name, p)
     if name == "hold-ledger":
         p["s"] = rng.choice([3, 12, 30])
     elif name == "hostile-config":
@@ -373,7 +375,9 @@ def draw(rng: random.Random, name: str, p: dict[str, Any]) -> None:
 
 
 def new_world(tmp: Path, rng: random.Random, scale: int) -> World:
-    return ow.new_world(tmp, rng, scale)
+    world = ow.new_world(tmp, rng, scale)
+    world.clock = operator_clock.Clock(tmp)
+    return world
 
 
 HOSTILE = ow.Campaign("hostile", new_world, ACTIONS, WEIGHTS, draw, operator_disks.check,

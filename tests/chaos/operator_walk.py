@@ -119,6 +119,15 @@ class World:
     moved: dict[str, Path] = field(default_factory=dict)
     known: list[str] = field(default_factory=list)  # what met a defect fixed on another branch
     faults: int = 0                        # disk faults the walk did (operator_disks.py)
+    # the wall clock of the daemon and of eagle3ctl, where the walk steps it (operator_clock.py)
+    clock: Any = None
+
+    def env(self) -> dict[str, str]:
+        """What the walk's daemons run with: its sd_notify socket, and its clock if any."""
+        return {**self.notify.env(), **self.clock_env()}
+
+    def clock_env(self) -> dict[str, str]:
+        return self.clock.env() if self.clock is not None else {}
 
     def alive(self) -> bool:
         return self.daemon is not None and self.daemon.proc.poll() is None
@@ -162,7 +171,8 @@ class World:
 
 def ctl(world: World, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([venv_bin("eagle3ctl"), "-c", str(world.config), *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **world.clock_env()})
 
 
 def new_world(tmp: Path, rng: random.Random, scale: int) -> World:
@@ -235,7 +245,7 @@ def act_start(world: World, p: dict[str, Any]) -> str:
     if world.alive():
         return "skip"
     verdict, words = promise(world)
-    d = DaemonProcess(world.config, env=world.notify.env())
+    d = DaemonProcess(world.config, env=world.env())
     t0 = time.monotonic()
     world.daemon = d
     refused = wait(lambda: d.proc.poll() is not None or world.notify.after(t0, "READY=1"), 60) \
@@ -467,7 +477,7 @@ def act_finish(world: World, p: dict[str, Any]) -> str:
     verdict, _ = promise(world)
     if verdict == "start-refused":
         return "skip"
-    d = DaemonProcess(world.config, "--until", "done", env=world.notify.env())
+    d = until_done(world)
     code = d.wait(900)
     world.printed = d.output()
     if code != 0:
@@ -481,6 +491,17 @@ def act_finish(world: World, p: dict[str, Any]) -> str:
                         f"`eagle3d run --until done` on run {run.id} printed drafter "
                         f"{shown or 'none'}; the run's drafter is {export}")
     return f"done, drafter {export}"
+
+
+def until_done(world: World) -> DaemonProcess:
+    """The operator's `eagle3d run --until done`, its pause resumed: an operator's pause holds
+    across restarts, and a paused run would never reach done."""
+    t0 = time.monotonic()
+    d = DaemonProcess(world.config, "--until", "done", env=world.env())
+    if world.paused and wait(lambda: world.notify.after(t0, "READY=1"), 60):
+        ctl(world, "resume")
+        world.paused = False
+    return d
 
 
 ACTIONS: dict[str, Callable[[World, dict[str, Any]], str]] = {
