@@ -165,6 +165,30 @@ def test_forget_on_a_shard_that_does_not_train_leaves_the_shared_train_folder(co
     assert _files(train) == trained
 
 
+def test_runs_on_a_shard_counts_only_what_that_shard_owns(config_factory):
+    """On a shard that does not train, its first run in place has the shared train folder,
+    the training node's: `eagle3ctl runs` shows the bytes the shard owns of that run, what
+    `eagle3ctl forget` frees, never the training node's checkpoints."""
+    sharded = {"data": {"shards": 3, "shard": 1}}
+    old = load_config(config_factory(sharded))
+    prepare_dirs(old)
+    write_in_force(old)
+    Ledger(layout.ledger(old.paths.state_dir)).close()
+    (old.paths.dataset_dir / "shard-00000").mkdir()
+    (old.paths.dataset_dir / "shard-00000" / "x.safetensors").write_bytes(b"a" * 4096)
+    checkpoint = layout.checkpoint_dir(old.paths.train_dir) / "step-00000004" / "state.pt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"w" * (8 << 20))  # the training node's, in the shared folder
+    path = config_factory({**sharded, "target": {"dtype": "bfloat16"}})
+    run_select.select(load_config(path))
+    shown = json.loads(ctl(path, "runs", "--json").stdout)
+    first = next(r for r in shown["runs"] if not r["current"])
+    assert 4096 <= first["bytes"] < 1 << 20, first
+    forgot = ctl(path, "forget", first["id"], "--reason", "old target")
+    assert forgot.returncode == 0 and " MiB freed" not in forgot.stdout, forgot
+    assert checkpoint.stat().st_size == 8 << 20
+
+
 def test_a_reload_refuses_nested_paths_naming_the_key(config_factory):
     path = config_factory()
     daemon = Daemon(load_config(path))
