@@ -238,12 +238,15 @@ def size(paths: list[Path]) -> int:
     return sum(_size(p) for p in paths)
 
 
+def set_aside_runs(reg: Registry) -> list[Run]:
+    """The runs not current and not forgotten: what `eagle3ctl forget` can reclaim."""
+    return [r for r in reg.runs.values() if r.id != reg.current and not r.forgotten]
+
+
 def set_aside(state_root: Path) -> list[tuple[Run, int]]:
-    """The runs not current and not forgotten, with their bytes on the dataset disk: what
-    `eagle3ctl forget` can reclaim."""
+    """The set-aside runs with their bytes on the dataset disk (a walk of their folders)."""
     reg = read(state_root)
-    return [(r, size(owned(reg, r, ("dataset_dir",)))) for r in reg.runs.values()
-            if r.id != reg.current and not r.forgotten]
+    return [(r, size(owned(reg, r, ("dataset_dir",)))) for r in set_aside_runs(reg)]
 
 
 def resolve(registry: Registry, name: str) -> Run:

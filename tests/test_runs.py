@@ -344,3 +344,34 @@ def test_a_pause_kept_in_the_ledger_before_an_upgrade_still_holds(config_factory
     finally:
         daemon.stop_stages(time.monotonic() + 30, "test over")
         daemon.ledger.close()
+
+
+def test_a_request_in_a_set_aside_runs_folder_is_answered_before_its_size_is_known(
+        config_factory):
+    """eagle3ctl waits 10 s for an answer; the size of a set-aside run is a walk of its every
+    file (seconds per million dumps). A request that lands in a set-aside run's folder after a
+    restart is answered at the daemon's first tick, never after that walk."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    first = daemon.current
+    edit_config(path, "target", dtype="bfloat16")
+    switch(daemon)
+    daemon.shutdown()
+    dumps = first.dataset_dir / "shard-00000"  # the walk's work: many files
+    dumps.mkdir()
+    for i in range(40_000):
+        (dumps / f"{i:08d}.safetensors").touch()
+    daemon = Daemon(load_config(path))  # restarted: the set-aside run's size not known yet
+    try:
+        name = control.submit(first.state_dir, "pause", {"reason": "sent to the old run"})
+        daemon.tick()
+        ack = layout.control_dir(first.state_dir) / f"{name}.ack.json"
+        assert ack.exists(), "no answer at the first tick"
+        answer = json.loads(ack.read_text())
+        assert not answer["ok"] and f"run {first.id} is set aside" in answer["message"]
+        daemon._sizing.join()
+        daemon.tick()
+        assert [run.id for run, _ in daemon.set_aside] == [first.id]
+    finally:
+        daemon.stop_stages(time.monotonic() + 30, "test over")
+        daemon.ledger.close()
