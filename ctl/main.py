@@ -5,7 +5,8 @@ nothing heavy (no torch, transformers or numpy), so it answers in a blink on a l
 Exit codes (a monitor or a script branches on them):
   0  status: running and healthy · check-config: valid; a reload applies it live or switches runs
   1  status: the pipeline failed (the reason says what to do)
-  2  the config does not validate, or the command line is wrong
+  2  the config does not validate, or the command line is wrong; status: the run registry
+     (runs.toml) is damaged, the one line says so (the daemon refuses to start with it too)
   3  status: the daemon is not running
   4  status: running, but waiting for an operator: the training gate (failed samples), or a
      disk budget's pause (the message names the [budget] key)

@@ -120,11 +120,10 @@ def locked(state_root: Path) -> Iterator[None]:
 
 
 def current_state_dir(state_root: Path) -> Path:
-    """The current run's state folder: where its config in force and its state file are."""
-    try:
-        reg = read(state_root)
-    except ConfigError:
-        return Path(state_root)
+    """The current run's state folder: where its config in force and its state file are.
+    ConfigError where the registry is damaged: which run is current is then not known, and the
+    root's is another run's as often as not."""
+    reg = read(state_root)
     run = reg.runs.get(reg.current or "")
     return run.state_dir if run else Path(state_root)
 

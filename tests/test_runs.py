@@ -375,3 +375,21 @@ def test_a_request_in_a_set_aside_runs_folder_is_answered_before_its_size_is_kno
     finally:
         daemon.stop_stages(time.monotonic() + 30, "test over")
         daemon.ledger.close()
+
+
+def test_status_names_a_damaged_runs_registry_and_shows_no_other_runs_state(config_factory):
+    """With runs.toml damaged, which run is current is not known: status says so in one line
+    naming the file, exit 2 as the daemon's refused start, and never shows the run in place's
+    state as if it were the current one."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    edit_config(path, "target", dtype="bfloat16")
+    switch(daemon)  # the first run, in the configured folders, is set aside
+    daemon.shutdown()
+    registry = layout.runs_registry(load_config(path).paths.state_dir)
+    text = registry.read_bytes()
+    registry.write_bytes(text[:text.index(b"[runs.") + 9])  # cut short, in a run's name
+    shown = ctl(path, "status")
+    assert shown.returncode == 2 and shown.stdout == "", shown
+    assert shown.stderr.count("\n") == 1, shown.stderr
+    assert f"{registry} is unreadable" in shown.stderr and "put it back" in shown.stderr
