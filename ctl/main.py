@@ -5,7 +5,8 @@ nothing heavy (no torch, transformers or numpy), so it answers in a blink on a l
 Exit codes (a monitor or a script branches on them):
   0  status: running and healthy · check-config: valid; a reload applies it live or switches runs
   1  status: the pipeline failed (the reason says what to do)
-  2  the config does not validate, or the command line is wrong
+  2  the config does not validate, or the command line is wrong; status: the run registry
+     (runs.toml) is damaged, the one line says so (the daemon refuses to start with it too)
   3  status: the daemon is not running
   4  status: running, but waiting for an operator: the training gate (failed samples), or a
      disk budget's pause (the message names the [budget] key)
@@ -13,8 +14,8 @@ Exit codes (a monitor or a script branches on them):
   6  check-config: valid, but it takes a restart of the daemon (the keys are named)
   7  check-config: valid, but the daemon would refuse it (why is named)
   8  status on the training node of a sharded dataset: another shard is stale (its heartbeat
-     older than a minute), never heard from (nothing published a minute after this daemon
-     started), stopped before it was done, failed or waiting for an operator (its line says
+     older than a minute), never heard from (nothing published a minute after this node's
+     run began, whatever restarts of its daemon since), stopped before it was done, failed or waiting for an operator (its line says
      which: "stale: no heartbeat for 3d 00h", "never heard from: ...", "failed: ...")
   9  status: running, but its loop fails and retries by itself: a condition, with its reason
      and since when ("ledger locked since 10:41:07", a full state disk)
@@ -130,27 +131,30 @@ def collect_status(cfg: Config) -> dict[str, Any]:
                      "heartbeat_age_s": None if age is None else round(age, 2)}
     if cfg.shard.count > 1:
         from eagle3d.ctl import shard_view  # only a sharded dataset has shards to show
-        # Every shard is expected from the moment this node's daemon runs.
-        expected_s = time.time() - d["started"] if d.get("started") else None
+        # Every shard is expected from the moment this node's run began (runs.toml's created):
+        # a restart of this node's daemon starts no new clock for a shard missing for days.
+        since = out["run"].get("created")
         out["shards"] = [{**sh, "problem": None if sh["name"] == cfg.shard.name else
-                          shard_problem(sh, expected_s)} for sh in shard_view.collect(cfg)]
+                          shard_problem(sh, since)} for sh in shard_view.collect(cfg)]
         # The training node answers for every shard: operations.md pages on its exit code.
         out["shards_down"] = [f"{sh['name']}: {sh['problem']}" for sh in out["shards"]
                               if sh["problem"] and cfg.shard.trains]
     return out
 
 
-def shard_problem(sh: dict[str, Any], expected_s: float | None) -> str | None:
+def shard_problem(sh: dict[str, Any], expected_since: float | None) -> str | None:
     """Why another shard needs a person, from the state it published (shard_view.collect), or
-    from its silence where it never published and this node's daemon has expected it
-    (`expected_s`) past the stale bound; None while it works, once it is done, and before the
-    bound."""
+    from its silence where it never published and this node's run has expected it (since
+    `expected_since`, the run's beginning) past the stale bound; None while it works, once it
+    is done, and before the bound."""
     if not sh["published"]:
+        expected_s = None if expected_since is None else time.time() - expected_since
         if expected_s is None or expected_s <= SHARD_STALE_S:
             return None
-        return (f"never heard from: expected for {human_s(expected_s)}, nothing published in "
-                f"{sh['folder']} (its daemon never started, or writes another folder or "
-                "cannot reach this one)")
+        began = time.strftime("%Y-%m-%d %H:%M", time.localtime(expected_since))
+        return (f"never heard from: expected since {began} ({human_s(expected_s)}, when this "
+                f"node's run began), nothing published in {sh['folder']} (its daemon never "
+                "started, or writes another folder or cannot reach this one)")
     if sh["underlying"] in (None, "done"):
         return None
     age = sh["heartbeat_age_s"]

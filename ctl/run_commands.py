@@ -16,8 +16,9 @@ from eagle3d.statemachine.ledger import Ledger, LedgerError
 from eagle3d.statemachine.statefile import read_state
 
 
-def describe(reg: runs.Registry, run: runs.Run) -> dict[str, Any]:
-    """One run as `eagle3ctl runs` shows it."""
+def describe(cfg: Config, reg: runs.Registry, run: runs.Run) -> dict[str, Any]:
+    """One run as `eagle3ctl runs` shows it on this node: its bytes are what this node owns of
+    it (a shard that does not train shares the training node's train folder, never counted)."""
     current = run.id == reg.current
     state, _ = read_state(run.state_dir)
     out: dict[str, Any] = {
@@ -30,7 +31,7 @@ def describe(reg: runs.Registry, run: runs.Run) -> dict[str, Any]:
     if run.forgotten:
         out["stage"] = "forgotten"
         return out
-    out["bytes"] = runs.size(reg, run)
+    out["bytes"] = runs.size(runs.node_owned(cfg, reg, run))
     try:
         with Ledger(layout.ledger(run.state_dir), readonly=True, timeout=2.0) as ledger:
             counts = ledger.counts()
@@ -65,7 +66,7 @@ def _row(r: dict[str, Any]) -> str:
 
 def cmd_runs(cfg: Config, args: argparse.Namespace) -> int:
     reg = runs.read(cfg.paths.state_dir)
-    rows = [describe(reg, r) for r in reg.runs.values()]
+    rows = [describe(cfg, reg, r) for r in reg.runs.values()]
     if args.json:
         import json
         print(json.dumps({"current": reg.current, "runs": rows}, indent=2))

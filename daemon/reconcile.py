@@ -116,6 +116,7 @@ class Daemon:
         self.metrics_problem: str | None = None  # why the metrics textfile cannot be written
         self.switching: Switching | None = None
         self.set_aside: list[tuple[runs.Run, int]] = []  # the last sizes known
+        self.aside: list[runs.Run] = []  # the set-aside runs, as the registry says now
         self._sizing: threading.Thread | None = None
         self._publishing = threading.Lock()  # a stop's heartbeat publishes from its thread
         self.conditions = Conditions()
@@ -143,7 +144,7 @@ class Daemon:
         self.stage_since = time.time()
         self.stages, self.verified_fingerprint = pipeline.build(
             self.cfg, self.ledger, self.pid_dir, self.engine_factory, heartbeat=self.publish)
-        self._registry_seen = -1.0
+        self._registry_seen = self._registry_sized = -1.0
         self.note_set_aside()
         log.info("run %s (%s) in %s", selected.run.id, "new" if selected.new else "resumed",
                  self.cfg.paths.dataset_dir)
@@ -230,16 +231,24 @@ class Daemon:
         self.reload_requested = True
 
     def note_set_aside(self) -> None:
-        """The set-aside runs and their sizes, read again whenever the registry changes (a run
-        forgotten by eagle3ctl): a stat per tick, and a walk of their folders per change, in a
-        thread of its own (seconds per million dumps); the last sizes known meanwhile."""
+        """The set-aside runs, read again whenever the registry changes (a run forgotten by
+        eagle3ctl): a stat per tick, the registry read per change, so that a request in a
+        set-aside run's folder is answered at the next tick. Their sizes: a walk of their
+        folders per change, in a thread of its own (seconds per million dumps, longer than
+        eagle3ctl waits for an answer); the last sizes known meanwhile."""
         root = self.root_cfg.paths.state_dir
         try:
             mtime = layout.runs_registry(root).stat().st_mtime
         except FileNotFoundError:
             mtime = 0.0
-        if mtime != self._registry_seen and not (self._sizing and self._sizing.is_alive()):
-            self._registry_seen = mtime
+        if mtime != self._registry_seen:
+            try:
+                self.aside = runs.set_aside_runs(runs.read(root))
+                self._registry_seen = mtime
+            except ConfigError:
+                pass  # edited by hand: the last runs known, read again at the next tick
+        if mtime != self._registry_sized and not (self._sizing and self._sizing.is_alive()):
+            self._registry_sized = mtime
             self._sizing = threading.Thread(target=self._size_set_aside, args=(root,),
                                             name="set-aside-sizes", daemon=True)
             self._sizing.start()
@@ -334,7 +343,7 @@ class Daemon:
         control.apply_all(self.cfg.paths.state_dir,
                           lambda request: requests.handle(request, self.ledger, self.unblock,
                                                           self.root_cfg.paths.state_dir))
-        for run, _ in self.set_aside:
+        for run in self.aside:
             self.refuse_set_aside(run)
         self.phase = "observing"
         decision = stages.derive(self.observe())
@@ -429,11 +438,9 @@ class Daemon:
         selected = run_select.select(new, weights)
         self.ledger.event("run_set_aside", f"{self.current.id}; now {selected.run.id}")
         self.ledger.close()
-        left = self.current
         self.enter(selected)
         # Its state file says where it stopped: once eagle3ctl finds the new run, never before.
         self._write_state(before, stopped)
-        self.refuse_set_aside(left)  # before the set-aside list, sized in a thread, names it
         self.recover_run("run resumed")
         log.info("config reloaded from %s", new.path)
         self.notifier.ready()

@@ -69,7 +69,8 @@ def load_in_force(path: str | os.PathLike) -> Config:
     """For processes beside the daemon (eagle3ctl, train-node): the config in force where the
     daemon has written one for the config at `path` (its state folder), else that config. An
     edit the daemon refused must not show a command, or start a trainer, it would not run.
-    That of the current run (statemachine/runs.py): its folders are the run's."""
+    That of the current run (statemachine/runs.py): its folders are the run's; ConfigError
+    where runs.toml is damaged, as at the daemon's start."""
     from eagle3d.statemachine import runs  # lazily: eagle3ctl status answers in a blink
     cfg = load_config(path)
     in_force = layout.config_in_force(runs.current_state_dir(cfg.paths.state_dir))

@@ -120,11 +120,10 @@ def locked(state_root: Path) -> Iterator[None]:
 
 
 def current_state_dir(state_root: Path) -> Path:
-    """The current run's state folder: where its config in force and its state file are."""
-    try:
-        reg = read(state_root)
-    except ConfigError:
-        return Path(state_root)
+    """The current run's state folder: where its config in force and its state file are.
+    ConfigError where the registry is damaged: which run is current is then not known, and the
+    root's is another run's as often as not."""
+    reg = read(state_root)
     run = reg.runs.get(reg.current or "")
     return run.state_dir if run else Path(state_root)
 
@@ -233,17 +232,20 @@ def _size(path: Path) -> int:
     return sum(_size(Path(e.path)) for e in os.scandir(path))
 
 
-def size(reg: Registry, run: Run, folders: tuple[str, ...] = FOLDERS) -> int:
-    """Bytes a run holds on disk in its folders."""
-    return sum(_size(p) for p in owned(reg, run, folders))
+def size(paths: list[Path]) -> int:
+    """Bytes on disk under `paths` (owned's, node_owned's)."""
+    return sum(_size(p) for p in paths)
+
+
+def set_aside_runs(reg: Registry) -> list[Run]:
+    """The runs not current and not forgotten: what `eagle3ctl forget` can reclaim."""
+    return [r for r in reg.runs.values() if r.id != reg.current and not r.forgotten]
 
 
 def set_aside(state_root: Path) -> list[tuple[Run, int]]:
-    """The runs not current and not forgotten, with their bytes on the dataset disk: what
-    `eagle3ctl forget` can reclaim."""
+    """The set-aside runs with their bytes on the dataset disk (a walk of their folders)."""
     reg = read(state_root)
-    return [(r, size(reg, r, ("dataset_dir",))) for r in reg.runs.values()
-            if r.id != reg.current and not r.forgotten]
+    return [(r, size(owned(reg, r, ("dataset_dir",)))) for r in set_aside_runs(reg)]
 
 
 def resolve(registry: Registry, name: str) -> Run:
@@ -264,6 +266,12 @@ def node_folders(cfg: Config) -> tuple[str, ...]:
     return FOLDERS if cfg.shard.trains else tuple(k for k in FOLDERS if k != "train_dir")
 
 
+def node_owned(cfg: Config, reg: Registry, run: Run) -> list[Path]:
+    """What this node owns of a run: what `eagle3ctl forget` deletes and `eagle3ctl runs`
+    counts, one and the same."""
+    return owned(reg, run, node_folders(cfg), roots=tuple(cfg.paths))
+
+
 def forget(cfg: Config, name: str, reason: str) -> tuple[Run, int]:
     """Delete a set-aside run's data and mark it forgotten; returns it and the bytes freed.
     Nothing that is or holds one of `cfg`'s [paths] (the spool included) or another run's
@@ -281,8 +289,8 @@ def forget(cfg: Config, name: str, reason: str) -> tuple[Run, int]:
         if run.forgotten:
             raise ValueError(f"{run.id} was forgotten already: {run.forgotten}")
         import shutil
-        doomed = owned(reg, run, node_folders(cfg), roots=tuple(cfg.paths))
-        freed = sum(_size(p) for p in doomed)
+        doomed = node_owned(cfg, reg, run)
+        freed = size(doomed)
         for path in doomed:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)

@@ -165,6 +165,30 @@ def test_forget_on_a_shard_that_does_not_train_leaves_the_shared_train_folder(co
     assert _files(train) == trained
 
 
+def test_runs_on_a_shard_counts_only_what_that_shard_owns(config_factory):
+    """On a shard that does not train, its first run in place has the shared train folder,
+    the training node's: `eagle3ctl runs` shows the bytes the shard owns of that run, what
+    `eagle3ctl forget` frees, never the training node's checkpoints."""
+    sharded = {"data": {"shards": 3, "shard": 1}}
+    old = load_config(config_factory(sharded))
+    prepare_dirs(old)
+    write_in_force(old)
+    Ledger(layout.ledger(old.paths.state_dir)).close()
+    (old.paths.dataset_dir / "shard-00000").mkdir()
+    (old.paths.dataset_dir / "shard-00000" / "x.safetensors").write_bytes(b"a" * 4096)
+    checkpoint = layout.checkpoint_dir(old.paths.train_dir) / "step-00000004" / "state.pt"
+    checkpoint.parent.mkdir(parents=True)
+    checkpoint.write_bytes(b"w" * (8 << 20))  # the training node's, in the shared folder
+    path = config_factory({**sharded, "target": {"dtype": "bfloat16"}})
+    run_select.select(load_config(path))
+    shown = json.loads(ctl(path, "runs", "--json").stdout)
+    first = next(r for r in shown["runs"] if not r["current"])
+    assert 4096 <= first["bytes"] < 1 << 20, first
+    forgot = ctl(path, "forget", first["id"], "--reason", "old target")
+    assert forgot.returncode == 0 and " MiB freed" not in forgot.stdout, forgot
+    assert checkpoint.stat().st_size == 8 << 20
+
+
 def test_a_reload_refuses_nested_paths_naming_the_key(config_factory):
     path = config_factory()
     daemon = Daemon(load_config(path))
@@ -320,3 +344,52 @@ def test_a_pause_kept_in_the_ledger_before_an_upgrade_still_holds(config_factory
     finally:
         daemon.stop_stages(time.monotonic() + 30, "test over")
         daemon.ledger.close()
+
+
+def test_a_request_in_a_set_aside_runs_folder_is_answered_before_its_size_is_known(
+        config_factory):
+    """eagle3ctl waits 10 s for an answer; the size of a set-aside run is a walk of its every
+    file (seconds per million dumps). A request that lands in a set-aside run's folder after a
+    restart is answered at the daemon's first tick, never after that walk."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    first = daemon.current
+    edit_config(path, "target", dtype="bfloat16")
+    switch(daemon)
+    daemon.shutdown()
+    dumps = first.dataset_dir / "shard-00000"  # the walk's work: many files
+    dumps.mkdir()
+    for i in range(40_000):
+        (dumps / f"{i:08d}.safetensors").touch()
+    daemon = Daemon(load_config(path))  # restarted: the set-aside run's size not known yet
+    try:
+        name = control.submit(first.state_dir, "pause", {"reason": "sent to the old run"})
+        daemon.tick()
+        ack = layout.control_dir(first.state_dir) / f"{name}.ack.json"
+        assert ack.exists(), "no answer at the first tick"
+        answer = json.loads(ack.read_text())
+        assert not answer["ok"] and f"run {first.id} is set aside" in answer["message"]
+        daemon._sizing.join()
+        daemon.tick()
+        assert [run.id for run, _ in daemon.set_aside] == [first.id]
+    finally:
+        daemon.stop_stages(time.monotonic() + 30, "test over")
+        daemon.ledger.close()
+
+
+def test_status_names_a_damaged_runs_registry_and_shows_no_other_runs_state(config_factory):
+    """With runs.toml damaged, which run is current is not known: status says so in one line
+    naming the file, exit 2 as the daemon's refused start, and never shows the run in place's
+    state as if it were the current one."""
+    path = config_factory()
+    daemon = Daemon(load_config(path))
+    edit_config(path, "target", dtype="bfloat16")
+    switch(daemon)  # the first run, in the configured folders, is set aside
+    daemon.shutdown()
+    registry = layout.runs_registry(load_config(path).paths.state_dir)
+    text = registry.read_bytes()
+    registry.write_bytes(text[:text.index(b"[runs.") + 9])  # cut short, in a run's name
+    shown = ctl(path, "status")
+    assert shown.returncode == 2 and shown.stdout == "", shown
+    assert shown.stderr.count("\n") == 1, shown.stderr
+    assert f"{registry} is unreadable" in shown.stderr and "put it back" in shown.stderr

@@ -253,9 +253,10 @@ def test_the_training_nodes_status_exits_8_for_a_shard_stale_stopped_failed_or_w
 
 def test_the_training_nodes_status_exits_8_for_a_shard_never_heard_from(tmp_path):
     """A shard that never published its state (never started, started on another host's
-    folder, or cannot reach the shared one) is as lost as a dead one: once this node's daemon
-    has expected it past the stale bound, status exits 8 naming it and how long it has been
-    expected; before that, a shard still starting up pages nobody."""
+    folder, or cannot reach the shared one) is as lost as a dead one: once this node's run has
+    expected it past the stale bound, status exits 8 naming it and since when it has been
+    expected; before that, a shard still starting up pages nobody. The clock is the run's, not
+    the daemon's: a restart of the training node's daemon hides no shard missing for days."""
     import os
 
     from eagle3d.ctl.main import SHARD_DOWN, SHARD_STALE_S
@@ -266,20 +267,23 @@ def test_the_training_nodes_status_exits_8_for_a_shard_never_heard_from(tmp_path
     root = tmp_path / "dataset"
     publish(root, 1, 3)
 
-    def own_daemon_started(ago: float) -> None:
+    def own_run_began(ago: float) -> None:
+        now = time.time()
         write_state(cfg.paths.state_dir, {
             "stage": "verify", "underlying": "verify", "reason": "waiting for shards",
-            "daemon": {"pid": os.getpid(), "alive": True, "started": time.time() - ago,
-                       "heartbeat": time.time() + 3600}})  # fresh while the test runs
+            "run": {"id": "r", "created": now - ago},
+            "daemon": {"pid": os.getpid(), "alive": True, "started": now - 5,  # restarted
+                       "heartbeat": now + 3600}})  # fresh while the test runs
 
-    own_daemon_started(SHARD_STALE_S / 2)
+    own_run_began(SHARD_STALE_S / 2)
     starting = ctl(config, "status")
     assert starting.returncode == 0, starting.stdout + starting.stderr
-    own_daemon_started(2 * 3600 + 60)
+    own_run_began(3 * 86400 + 60)
+    began = time.strftime("%Y-%m-%d %H:%M", time.localtime(time.time() - 3 * 86400 - 60))
     shown = ctl(config, "status")
     assert shown.returncode == SHARD_DOWN, shown.stdout + shown.stderr
     line = next(x for x in shown.stdout.splitlines() if "shard-2-of-3:" in x)
-    assert "never heard from: expected for 2h 01m" in line
+    assert f"never heard from: expected since {began} (3d 00h" in line, line
     assert str(root / "shard-2-of-3") in line
     assert json.loads(ctl(config, "status", "--json").stdout)["shards_down"] == [
         f"shard-2-of-3: {line.split(' · ')[-1]}"]

@@ -81,7 +81,8 @@ def test_a_damaged_runs_registry_is_one_line_and_exit_2(config_factory):
     code, out = start(config)
     assert code == entry.REFUSED, out
     one_line(out, f"{registry} is unreadable (KeyError: 'model')", "put it back")
-    status_says(config, "NOT RUNNING")
+    shown = ctl(config, "status")
+    assert shown.returncode == 2 and f"{registry} is unreadable" in shown.stderr, shown
 
 
 def test_a_folder_in_the_config_in_force_place_is_one_line_and_exit_2(config_factory):
