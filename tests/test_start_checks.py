@@ -68,6 +68,23 @@ def test_a_ledger_planned_before_data_responses_existed_resumes_with_the_dataset
             stage.observe(UNSEEN).blocked
 
 
+def test_a_dataset_whose_contract_predates_the_generate_record_goes_on_under_its_config(
+        config_factory, tmp_path):
+    """The target wrote the answers before the contract recorded the [generate] settings: such a
+    contract (an old install's, made by hand) cannot tell which settings wrote them, so neither
+    the start's check nor the training node's comparison of contracts refuses the config."""
+    write_conversations(tmp_path / "conv.jsonl", 4)
+    data = {"source": str(tmp_path / "conv.jsonl"), "format": "messages", "limit": 4,
+            "responses": "target"}
+    cfg = load_config(config_factory({"data": data, "generate": {"temperature": 0.7}}))
+    with planned_dataset(cfg) as ledger:
+        old = {k: v for k, v in smollm_contract(cfg).items() if k != "generate"}
+        contract.write(cfg.paths.dataset_dir, old)
+        stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
+        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
+    assert contract.differences(old, smollm_contract(cfg)) == []
+
+
 @pytest.mark.parametrize("section, values, named", [
     ("target", {"dtype": "bfloat16"}, "[target] dtype is 'bfloat16', the contract says "
                                       "'float32'"),
