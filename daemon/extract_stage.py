@@ -324,8 +324,6 @@ class ExtractStage:
         (the spool is empty at nearly every dispatch, and one dispatch must not take more than
         the budget). A claim may go one sample past it, so that no long sample starves."""
         bpt = plan_meta.read(self.ledger).bytes_per_token
-        if bpt <= 0:  # a plan from before the figure was recorded: no budget to keep
-            return self.cfg.extract.max_inflight_tokens
         spooled = self.spool.bytes_waiting if self.spool else 0
         room = min(self.cfg.budget.spool_max - spooled, budgets.disks(self.cfg)[1].free)
         return (room - bpt * counts.tokens.get("inflight", 0)) // bpt

@@ -20,7 +20,7 @@ class PlanMeta(NamedTuple):
     max_tokens: int = 0
     # A ledger planned before [data] responses existed has the dataset's answers.
     responses: str = "dataset"
-    bytes_per_token: int = 0  # 0: not recorded
+    bytes_per_token: int = 0  # 0: nothing planned yet
     through: int | None = None  # the last source index planned
     exhausted: bool = False  # the source ended before first + limit
 

@@ -88,7 +88,7 @@ def read(state_root: Path) -> Registry:
         runs = {rid: Run(id=rid, key=r["key"], model=r["model"], weights=r["weights"],
                          contract=r["contract"], **{k: Path(r[k]) for k in FOLDERS},
                          in_place=r["in_place"], created=r["created"],
-                         last_active=r["last_active"], forgotten=r.get("forgotten", ""))
+                         last_active=r["last_active"], forgotten=r["forgotten"])
                 for rid, r in doc.get("runs", {}).items()}
     except FileNotFoundError:
         return Registry(None, {})

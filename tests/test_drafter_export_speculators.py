@@ -253,3 +253,16 @@ def test_an_export_speculators_cannot_represent_is_refused_with_the_reason(small
     with pytest.raises(Refusal, match="fc_norm.0.weight"):
         export_speculators(sglang, tmp_path / "out", "target")
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_of_an_eagle3d_before_ttt_steps_is_refused_naming_why(small, tmp_path):
+    """An export written before its config named the ttt_steps it was trained with (made by
+    hand as that eagle3d wrote it) is refused with the reason, not a KeyError."""
+    ours, vocab, _ = small
+    sglang = tmp_path / "export"
+    export(ours, vocab, CONTRACT, sglang, TTT_STEPS)
+    config = json.loads((sglang / "config.json").read_text())
+    del config["eagle3d"]["ttt_steps"]
+    (sglang / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Refusal, match="does not name the ttt_steps it was trained with"):
+        export_speculators(sglang, tmp_path / "out", "target")

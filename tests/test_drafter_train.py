@@ -151,6 +151,20 @@ def test_a_checkpoint_of_an_earlier_weight_layout_is_not_resumed(tmp_path, caplo
     assert checkpoint.latest(tmp_path, "m", 1, shape, now, train)[0]["model"].keys() == now.keys()
 
 
+def test_a_checkpoint_that_did_not_record_its_manifests_size_starts_over_saying_why(
+        tmp_path, caplog):
+    """A checkpoint of an eagle3d that did not record its manifest's sample count (made by hand
+    as it saved one), of another manifest: training starts over, saying the manifest changed."""
+    import torch
+    from eagle3d.drafter import checkpoint
+    shape, train = {"draft": 1}, TrainConfig()
+    now = {"fc.weight": torch.zeros(2, 2)}
+    checkpoint.save(tmp_path, 3, {"manifest_fingerprint": "old", "draft_config": shape,
+                                  "schedule": checkpoint.schedule(train), "model": now})
+    assert checkpoint.latest(tmp_path, "new", 5, shape, now, train) == \
+        (None, "the checkpoint was made from another dataset manifest")
+
+
 def test_a_retraining_resumes_its_own_checkpoint_beside_higher_steps_of_the_old_manifest(
         tmp_path):
     """A grown manifest trains from step 0 beside the old manifest's checkpoints of higher

@@ -50,6 +50,41 @@ def planned_dataset(cfg: Config) -> Ledger:
     return ledger
 
 
+def test_a_ledger_planned_before_data_responses_existed_resumes_with_the_datasets_answers(
+        config_factory, tmp_path):
+    """A ledger planned before [data] responses existed records no plan.responses: an old
+    install's meta, made by hand. It was planned from the dataset's answers, so the config of
+    that install (responses left at "dataset") resumes it, and one whose target writes the
+    answers is told the slice changed."""
+    write_conversations(tmp_path / "conv.jsonl", 4)
+    data = {"source": str(tmp_path / "conv.jsonl"), "format": "messages", "limit": 4}
+    cfg = load_config(config_factory({"data": data}))
+    with planned_dataset(cfg) as ledger:
+        ledger.clear_meta("plan.responses")
+        stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
+        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
+        stage.cfg = cfg._replace(data=cfg.data._replace(responses="target"))
+        assert "[data] responses changed since this dataset was planned (was dataset)" in \
+            stage.observe(UNSEEN).blocked
+
+
+def test_a_dataset_whose_contract_predates_the_generate_record_goes_on_under_its_config(
+        config_factory, tmp_path):
+    """The target wrote the answers before the contract recorded the [generate] settings: such a
+    contract (an old install's, made by hand) cannot tell which settings wrote them, so neither
+    the start's check nor the training node's comparison of contracts refuses the config."""
+    write_conversations(tmp_path / "conv.jsonl", 4)
+    data = {"source": str(tmp_path / "conv.jsonl"), "format": "messages", "limit": 4,
+            "responses": "target"}
+    cfg = load_config(config_factory({"data": data, "generate": {"temperature": 0.7}}))
+    with planned_dataset(cfg) as ledger:
+        old = {k: v for k, v in smollm_contract(cfg).items() if k != "generate"}
+        contract.write(cfg.paths.dataset_dir, old)
+        stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
+        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
+    assert contract.differences(old, smollm_contract(cfg)) == []
+
+
 @pytest.mark.parametrize("section, values, named", [
     ("target", {"dtype": "bfloat16"}, "[target] dtype is 'bfloat16', the contract says "
                                       "'float32'"),

@@ -4,6 +4,7 @@ of two ranks, refusing its target."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from types import SimpleNamespace
@@ -54,6 +55,21 @@ def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
     step_until_idle(stage)
     assert "[train] max_restarts = 1" in stage.observe(Seen(None, FINGERPRINT)).train_failed
     assert stage.status()["status"] == "failed"
+
+
+def test_a_done_marker_written_before_eval_settings_were_recorded_stands_for_any(stage):
+    """done.json of an install from before the [eval] settings key was recorded (made by hand as
+    it wrote it) marks the drafter of its manifest done: the daemon neither trains nor
+    evaluates it again; a marker of other [eval] settings does not."""
+    stage, cfg, monkeypatch = stage
+    layout.done_file(cfg.paths.train_dir).parent.mkdir(parents=True)
+    old = {"manifest_fingerprint": FINGERPRINT, "export": str(layout.export_dir(
+        cfg.paths.train_dir)), "train_key": stage.key, "acceptance_length": 2.1,
+        "identical_to_greedy": True, "finished": time.time()}
+    layout.done_file(cfg.paths.train_dir).write_text(json.dumps(old))
+    assert stage.observe(Seen(None, FINGERPRINT)).train_done
+    layout.done_file(cfg.paths.train_dir).write_text(json.dumps({**old, "eval_key": "other"}))
+    assert not stage.observe(Seen(None, FINGERPRINT)).train_done
 
 
 def test_a_target_that_is_not_the_datasets_fails_at_once(stage):

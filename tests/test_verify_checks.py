@@ -14,6 +14,7 @@ import torch
 from eagle3d.dataset import checksum, dumpformat, precision
 from eagle3d.daemon import verify
 from eagle3d.daemon.verify import Expected, check_file, compare_dumps, verify_many
+from eagle3d.statemachine import manifest
 
 CONTRACT = "c0" * 16
 OTHER_CONTRACT = "d1" * 16
@@ -84,6 +85,20 @@ def test_rewritten_file_gets_a_new_stat_key(tmp_path: Path) -> None:
     e = make_dump(tmp_path)  # the same sample captured again: a new inode
     problem, after = check_file(e)
     assert problem is None and after != before
+
+
+def test_a_manifest_written_before_stats_were_recorded_lets_its_files_be_trained(
+        tmp_path: Path) -> None:
+    """A manifest's sample of an install from before verify's stat key was listed has no
+    `stat`: its file is not called changed (the reader's checksum still checks every byte),
+    where a manifest that lists a stat names the difference."""
+    e = make_dump(tmp_path)
+    st = os.stat(e.path)
+    old = {"id": e.id, "path": e.path, "checksum": "xxh3-128:00"}  # no "stat"
+    assert manifest.file_changed(old, st) is None
+    listed = {**old, "stat": f"{st.st_size + 1}:{st.st_mtime_ns}:{st.st_ino}"}
+    assert manifest.file_changed(listed, st) == \
+        f"{st.st_size} bytes, verify saw {st.st_size + 1}"
 
 
 def test_missing_file(tmp_path: Path) -> None:
