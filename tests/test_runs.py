@@ -13,6 +13,7 @@ from eagle3d.ctl.main import results_summary
 from eagle3d.daemon.reconcile import Daemon, prepare_dirs
 from eagle3d.statemachine import layout, runs, train_files
 from eagle3d.statemachine.config_in_force import load_in_force, write_in_force
+from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.pipeline import ctl, edit_config, status, switch, wait_for
@@ -136,18 +137,25 @@ def test_forget_never_deletes_a_root_or_another_runs_folder_inside_the_run_in_pl
     assert {folder: _files(folder) for folder in kept} == kept
 
 
-def test_forget_on_a_shard_that_does_not_train_leaves_the_shared_train_folder(config_factory):
-    """A shard's folders from before runs existed are its first run, in place, and its
-    train_dir is the shared one, which only the training node writes. Once a start with another
-    contract has set that run aside, forgetting it on the shard deletes the shard's own files
-    and not the training node's drafter, checkpoints or progress."""
-    sharded = {"data": {"shards": 3, "shard": 1}}
+def _a_shards_folders_from_before_runs(config_factory, sharded: dict) -> Config:
+    """Shard 1 of 3's state, ledger and one 4 KiB dump, written before runs existed: its
+    first run, in place, once a start with another contract sets it aside."""
     old = load_config(config_factory(sharded))
     prepare_dirs(old)
     write_in_force(old)
     Ledger(layout.ledger(old.paths.state_dir)).close()
     (old.paths.dataset_dir / "shard-00000").mkdir()
     (old.paths.dataset_dir / "shard-00000" / "x.safetensors").write_bytes(b"a" * 4096)
+    return old
+
+
+def test_forget_on_a_shard_that_does_not_train_leaves_the_shared_train_folder(config_factory):
+    """A shard's folders from before runs existed are its first run, in place, and its
+    train_dir is the shared one, which only the training node writes. Once a start with another
+    contract has set that run aside, forgetting it on the shard deletes the shard's own files
+    and not the training node's drafter, checkpoints or progress."""
+    sharded = {"data": {"shards": 3, "shard": 1}}
+    old = _a_shards_folders_from_before_runs(config_factory, sharded)
     train = old.paths.train_dir  # the training node's, trained in place
     for part, text in ((layout.progress_file(train), "{}"),
                        (layout.checkpoint_dir(train) / "step-00000004" / "state.pt", "w"),
@@ -170,12 +178,7 @@ def test_runs_on_a_shard_counts_only_what_that_shard_owns(config_factory):
     the training node's: `eagle3ctl runs` shows the bytes the shard owns of that run, what
     `eagle3ctl forget` frees, never the training node's checkpoints."""
     sharded = {"data": {"shards": 3, "shard": 1}}
-    old = load_config(config_factory(sharded))
-    prepare_dirs(old)
-    write_in_force(old)
-    Ledger(layout.ledger(old.paths.state_dir)).close()
-    (old.paths.dataset_dir / "shard-00000").mkdir()
-    (old.paths.dataset_dir / "shard-00000" / "x.safetensors").write_bytes(b"a" * 4096)
+    old = _a_shards_folders_from_before_runs(config_factory, sharded)
     checkpoint = layout.checkpoint_dir(old.paths.train_dir) / "step-00000004" / "state.pt"
     checkpoint.parent.mkdir(parents=True)
     checkpoint.write_bytes(b"w" * (8 << 20))  # the training node's, in the shared folder
