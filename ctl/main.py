@@ -57,6 +57,18 @@ def _clock(t: float) -> str:
     return time.strftime('%H:%M:%S', time.localtime(t))
 
 
+def _aged(node: Any, since_write: float) -> Any:
+    """`node` with every `age_s` the daemon published (as of its write, on its monotonic clock)
+    brought to now by the time since that write alone: a wall-clock step skews an age for one
+    tick at most, where an age taken from a wall-clock "since" stays off by the step."""
+    if isinstance(node, dict):
+        return {k: round(v + since_write, 1) if k == "age_s" and isinstance(v, (int, float))
+                else _aged(v, since_write) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_aged(v, since_write) for v in node]
+    return node
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -116,7 +128,9 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["bytes"] = state.get("bytes", {})
     out["disk"] = state.get("disk", [])
     out["state_reserve"] = state.get("state_reserve")
-    out.update({view.key: state.get(view.key, view.empty) for view in stage_views.VIEWS})
+    since_write = time.time() - state.get("updated", time.time())
+    out.update({view.key: _aged(state.get(view.key, view.empty), since_write)
+                for view in stage_views.VIEWS})
     out["config_problem"] = state.get("config", {}).get("problem")
     out["run"] = state.get("run", {})
     out["config_problem_since"] = state.get("config", {}).get("problem_since")

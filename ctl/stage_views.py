@@ -28,7 +28,7 @@ def silent(child: dict[str, Any]) -> str:
     if not since:
         return ""
     return (f", SILENT since {time.strftime('%H:%M:%S', time.localtime(since['since']))} "
-            f"({human_s(time.time() - since['since'])}; restarted after "
+            f"({human_s(since.get('age_s'))}; restarted after "
             f"{human_s(since['bound_s'])})")
 
 
@@ -116,8 +116,7 @@ def _train_rate(st: dict[str, Any]) -> str | None:
 
 def _before_first_step(early: dict[str, Any]) -> str:
     from eagle3d.statemachine import train_files  # only where there is a trainer to show
-    waited = time.time() - early["since"] if early.get("since") else None
-    return f"{early['status']} for {human_s(waited)}" + (
+    return f"{early['status']} for {human_s(early.get('age_s'))}" + (
         " (the first step: on a GPU the fused kernels compile, a minute or more the first time)"
         if early["status"] == train_files.STARTING else "")
 

@@ -245,7 +245,7 @@ class Silence:
     trainer's progress file, the generator's commits): a child stopped by SIGSTOP, or stuck in a
     read the kernel never answers, has not exited, and is alive only while signs come. A child
     silent past its bound is restarted by its stage. Intervals on the monotonic clock; `since`
-    (wall clock) only for status."""
+    (wall clock) only for status, as a time of day (its age is published as `age_s`)."""
 
     def __init__(self, child: str, bound_s: float) -> None:
         self.child = child
@@ -286,7 +286,8 @@ class Silence:
         shorter): which child and since when."""
         if self.silent_for() < self.bound / 2:
             return {}
-        return {"silent": {"child": self.child, "since": self.since, "bound_s": self.bound}}
+        return {"silent": {"child": self.child, "since": self.since, "bound_s": self.bound,
+                           "age_s": round(self.silent_for(), 1)}}
 
 
 def stage_failed(ledger: Ledger, event: str, line: str) -> Callable[[str], None]:

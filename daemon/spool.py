@@ -23,6 +23,7 @@ from pathlib import Path
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 
+from eagle3d.daemon.ages import Ages
 from eagle3d.dataset import dumpformat
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import dead_temps, writer
@@ -45,7 +46,8 @@ logging.getLogger("watchdog.observers.inotify").addFilter(_StopRace())
 # an operator's note, the temp file of a copy that died. Once nothing has written to it for this
 # long it goes to rejected/ with its reason, like any other file that is not a dump: kept for
 # the operator (rejected/ keeps the first few whole, then only reasons), never deleted unseen,
-# and no longer a silent weight on [budget] spool_max that nothing reports.
+# and no longer a silent weight on [budget] spool_max that nothing reports. Untouched by the
+# monotonic clock (daemon/ages.py): a step of the wall clock makes no live writer's file old.
 STRAY_AGE_S = 600.0
 
 
@@ -72,6 +74,7 @@ class Spool:
         self._queue: list[str] = []
         self._known: set[str] = set()  # queued or being handled
         self._next_rescan = 0.0
+        self._strays = Ages()  # how long each dot-named file that is no writer's temp is untouched
         self.bytes_waiting = 0
         self.observer = Observer()
         # By path: after a swap its events may name another folder's files, which is harmless
@@ -113,18 +116,20 @@ class Spool:
             self._next_rescan = now + self.rescan_interval
         entries = self.dir.entries()
         total = 0
+        strays = {}
         for name, st in entries:
             total += st.st_size
             if name.startswith("."):
-                if writer(name) is not None:
-                    continue  # a live writer's, or removed below once its writer is gone
-                if time.time() - st.st_mtime > STRAY_AGE_S:
-                    self.offer(name)  # ingest rejects it, with its reason
+                if writer(name) is None:  # a writer's is removed below once its writer is gone
+                    strays[name] = ((st.st_ino, st.st_size, st.st_mtime_ns), st.st_mtime)
             elif stat.S_ISDIR(st.st_mode):
                 if name == layout.rejected_dir(self.dir.path).name:
                     total += self._rejected_bytes(name)
             else:
                 self.offer(name)
+        for name, age in self._strays.update(strays).items():
+            if age > STRAY_AGE_S:
+                self.offer(name)  # ingest rejects it, with its reason
         for name in dead_temps(name for name, _ in entries):
             try:
                 self.dir.unlink(name)

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3d.daemon.ages import Ages
 from eagle3d.daemon.children import Child, Silence, Supervisor, remaining, stage_failed
 from eagle3d.dataset import readrate
 from eagle3d.statemachine import entry, layout, train_files
@@ -79,6 +80,8 @@ class TrainStage:
                                      self._failed)
         # The trainer's progress: progress.json rewritten (children.Silence), as last seen.
         self.silence = Silence("trainer", cfg.train.silence_s)
+        # How long the trainer has loaded or compiled: its progress file's `since` is its wall clock.
+        self.before_first_step = Ages()
         self._progress_seen: int | None = None
         self.disk_probed = False  # the dataset's read rate, checked once per daemon
         self._set_aside: list[dict[str, Any]] | None = None  # the versions, read when asked
@@ -315,8 +318,10 @@ class TrainStage:
                 out.update(self.silence.status())
             if self.phase == "training" and progress.get("status") in (train_files.LOADING,
                                                                         train_files.STARTING):
-                out["before_first_step"] = {"status": progress["status"],
-                                            "since": progress.get("since")}
+                since = progress.get("since") or 0.0
+                age = self.before_first_step.update({"": (progress["status"], since)})[""]
+                out["before_first_step"] = {"status": progress["status"], "since": since,
+                                            "age_s": round(age, 1)}
             if progress.get("status") in train_files.TRAINS and progress.get("started_over"):
                 # Step 0 beside a trained drafter reads as lost progress unless it says why.
                 out["started_over"] = progress["started_over"]

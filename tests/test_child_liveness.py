@@ -4,8 +4,11 @@ to the child and no sample is charged an attempt."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import time
 
@@ -17,6 +20,7 @@ from eagle3d.statemachine import layout
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Stage
+from tests.conftest import venv_bin
 from tests.pipeline import DaemonProcess, ctl, status, wait_for
 
 
@@ -107,3 +111,42 @@ def test_a_stopped_trainer_is_shown_silent_then_restarted(config_factory, monkey
         finally:
             _continue(first)
             stage.stop(time.monotonic() + 10)
+
+
+@pytest.mark.slow
+def test_a_wall_clock_step_leaves_statuss_ages_true_after_one_tick(config_factory, tmp_path):
+    """NTP steps the wall clock a day ahead while the engine is silent: after one tick,
+    `eagle3ctl status` (under the same clock) says how long it has been silent, not a day
+    more, and a copy's file being written in the spool is not taken for a stray."""
+    from tests.chaos.operator_clock import Clock
+    clock = Clock(tmp_path)
+    if not clock.lib:
+        pytest.skip(clock.why)
+    config = config_factory({"data": {"limit": 40, "max_tokens": 600},
+                             "extract": {"batch_tokens": 1024, "max_inflight_tokens": 2048,
+                                         "engine_silence_s": 40},
+                             "verify": {"spot_checks": 0}})
+    cfg = load_config(config)
+    with DaemonProcess(config, "--until", "train", env=clock.env()) as d:
+        st = d.status_until(lambda s: s["engine"].get("status") == "ready"
+                            and s["samples"]["inflight"] > 0, 300, "the engine mid-extraction")
+        stopped = st["engine"]["pid"]
+        copying = cfg.paths.spool_dir / ".a-copy.safetensors.XyZ123"  # rsync's kind of name
+        copying.write_bytes(b"being written")
+        os.killpg(stopped, signal.SIGSTOP)
+        try:
+            d.status_until(lambda s: s["engine"].get("silent"), 60, "the engine shown silent")
+            clock.step(26 * 3600)
+            time.sleep(cfg.extract.rescan_interval_s + 2)  # a tick, and a rescan of the spool
+            shown = subprocess.run([venv_bin("eagle3ctl"), "-c", str(config), "status", "--json"],
+                                   capture_output=True, text=True,
+                                   env={**os.environ, **clock.env()})
+            silent = json.loads(shown.stdout)["engine"].get("silent", {})
+            text = subprocess.run([venv_bin("eagle3ctl"), "-c", str(config), "status"],
+                                  capture_output=True, text=True,
+                                  env={**os.environ, **clock.env()}).stdout
+        finally:
+            _continue(stopped)
+        assert re.search(r"SILENT since \d\d:\d\d:\d\d \((\d+s|[0-4]m \d\ds);", text), text
+        assert 0 <= silent["age_s"] < 300, silent
+        assert copying.exists()

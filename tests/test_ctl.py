@@ -116,9 +116,12 @@ def test_status_says_how_long_the_trainer_has_waited_for_its_first_step(config_f
     config = config_factory()
     state_dir = Path(tomllib.loads(config.read_text())["paths"]["state_dir"])
     state_dir.mkdir(parents=True, exist_ok=True)
-    write_state(state_dir, {"stage": "train", "reason": "training", "trainer": {
-        "status": "training", "step": 0, "total_steps": 900, "pid": os.getpid(),
-        "before_first_step": {"status": "starting", "since": time.time() - 95}}})
+    # 90 s as of the daemon's write, 5 s ago.
+    write_state(state_dir, {"stage": "train", "reason": "training", "updated": time.time() - 5,
+                            "trainer": {"status": "training", "step": 0, "total_steps": 900,
+                                        "pid": os.getpid(), "before_first_step": {
+                                            "status": "starting", "since": time.time() - 95,
+                                            "age_s": 90.0}}})
     shown = ctl(config, "status").stdout
     assert "training step 0/900" in shown
     assert "trainer   training · starting for 1m 3" in shown, shown

@@ -282,3 +282,47 @@ def test_a_flood_of_renames_is_never_missed(tmp_path):
     finally:
         shutil.rmtree(spool, ignore_errors=True)
         shutil.rmtree(outside, ignore_errors=True)
+
+
+def _queued(watcher: Spool) -> set[str]:
+    watcher.rescan(force=True)
+    queued = set()
+    while (name := watcher.take(0)) is not None:
+        queued.add(name)
+        watcher.done(name)
+    return queued
+
+
+def test_a_wall_clock_step_makes_no_live_writers_file_stale_and_a_dead_writers_goes(tmp_path):
+    """A forward step of the wall clock makes a file just written look hours old: a live writer's
+    files stay where they are, whatever their names; what a dead writer left is removed (its
+    temp file) or handed to ingest to be rejected (a dot-named file of no known writer)."""
+    from eagle3d.statemachine.atomic import HOST
+    spool = Path("/dev/shm") / f"eagle3d-step-{uuid.uuid4().hex[:8]}"
+    spool.mkdir()
+    hours_ago = time.time() - 3 * 3600
+    try:
+        left = spool / ".notes-left-before-the-start"  # there before the daemon: as old as it says
+        left.write_bytes(b"nobody's")
+        os.utime(left, (hours_ago, hours_ago))
+        gone = os.fork()
+        if gone == 0:
+            os._exit(0)
+        os.waitpid(gone, 0)
+        dead = spool / f".{'d' * 32}.safetensors.{HOST}.{gone}.tmp"
+        dead.write_bytes(b"half a dump")
+        watcher = Spool(spool, rescan_interval=3600)
+        live = spool / f".{'a' * 32}.safetensors.{HOST}.{os.getpid()}.tmp"
+        copying = spool / f".{'b' * 32}.safetensors.XyZ123"  # rsync's temp name: no writer in it
+        for f in (live, copying):
+            f.write_bytes(b"being written")
+        assert _queued(watcher) == {left.name} and not dead.exists()
+        left.unlink()  # as ingest moves it to rejected/
+        for f in (live, copying):  # written on, and the wall clock stepped three hours ahead
+            f.write_bytes(b"being written, more")
+            os.utime(f, (hours_ago, hours_ago))
+        assert _queued(watcher) == set()
+        assert live.exists() and copying.exists()
+        watcher.stop()
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
