@@ -119,17 +119,18 @@ def venv_bin(name: str) -> str:
     return os.path.join(os.path.dirname(sys.executable), name)
 
 
-# The test files holding `make test`'s longest tests (35 s to two minutes each, alone on a busy
-# 2-core machine), longest first. pytest-xdist hands each worker a contiguous half of the
-# collection, and a worker that runs dry steals the end of the other's queue, never the test it
-# runs: collected last (test_verify_e2e.py), one of these ran alone at the end while the other
-# worker idled. Run first, the short tests fill the end. Whole files move, in their own order:
-# a module's fixture is set up once.
+# The test files holding `make test`'s longest tests (30 s to two minutes each in a `make test`
+# on a busy 2-core machine, 2026-12-06), longest first. pytest-xdist hands each worker a
+# contiguous half of the collection, and a worker that runs dry steals the end of the other's
+# queue, never the test it runs nor its next: collected last (test_verify_e2e.py), one of these
+# could end the run on one worker while the other idled. Run first, the short tests fill the end.
+# Whole files move, in their own order: a module's fixture is set up once.
 LONGEST_FIRST = (
-    "chaos/test_random_operator.py", "chaos/test_crashes.py", "test_bench.py",
-    "test_drafter_train.py", "chaos/test_shards.py", "test_verify_e2e.py",
-    "test_bench_gpu_multi.py", "test_drafter_evaluate.py", "test_run_switch.py",
-    "test_extract_e2e.py", "test_shards_e2e.py", "test_child_liveness.py",
+    "test_drafter_evaluate.py", "test_child_liveness.py", "test_run_switch.py",
+    "chaos/test_crashes.py", "chaos/test_random_operator.py", "chaos/test_contract.py",
+    "test_bench_gpu_multi.py", "test_extract_e2e.py", "test_bench.py", "test_generate.py",
+    "test_verify_e2e.py", "chaos/test_shards.py", "test_shards_e2e.py", "test_drafter_train.py",
+    "chaos/test_spool.py", "test_config_in_force.py", "test_spool_faults.py",
 )
 
 
