@@ -20,7 +20,7 @@ from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
-from tests.pipeline import DaemonProcess, ctl, fill_file_system
+from tests.pipeline import DaemonProcess, ctl, fill_file_system, status
 
 # A second process holds the ledger's write lock (an operator's sqlite3 shell left open, a
 # backup tool): readers go on, every writer waits.
@@ -41,6 +41,18 @@ def paused_config(config_factory, **paths: str) -> Path:
     layout.control_dir(state_dir).mkdir(parents=True, mode=0o700)
     control.submit(state_dir, "pause", {"reason": "the loop alone"})
     return config
+
+
+def heartbeat_stays_fresh(d: DaemonProcess, seconds: float, bound_s: float = 10.0) -> None:
+    """At every look for `seconds`, the daemon runs and its heartbeat is younger than `bound_s`:
+    it publishes every second, and a tick stuck on a lock ages it. The bound leaves a busy
+    machine room above the loop's 2 s busy timeout, and lies under status's 15 s stale bound."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        st = status(d.config)
+        assert d.proc.poll() is None and st["daemon"]["alive"], d.output()[-4000:]
+        assert st["daemon"]["heartbeat_age_s"] < bound_s, st["daemon"]
+        time.sleep(0.5)
 
 
 def events(state_dir: Path, kind: str) -> list[str]:
@@ -67,9 +79,11 @@ def test_a_ledger_held_by_another_process_is_a_condition_and_the_daemon_recovers
             st = d.status_until(lambda st: st.get("condition"), 30, "the condition")
             assert "ledger locked" in st["condition"]["reason"], st["condition"]
             assert held - 1 <= st["condition"]["since"] <= time.time()
-            # Held past the old busy timeout (30 s), and past many backoffs: the daemon lives,
-            # its heartbeat is fresh, and status says what and since when, with its own code.
-            time.sleep(35)
+            # Held through several backoffs (retried after 1, 2, 4 s, each waiting the loop's
+            # 2 s busy timeout): the daemon lives and its heartbeat stays fresh all along. The old
+            # busy timeout (30 s) aged the heartbeat past the bound in its first wait, seen
+            # within seconds, where a wait past 30 s cost the suite half a minute.
+            heartbeat_stays_fresh(d, 12)
             proc = ctl(config, "status")
             assert d.proc.poll() is None, d.output()[-4000:]
             assert proc.returncode == 9, proc.stdout + proc.stderr
