@@ -18,7 +18,8 @@ Exit codes (a monitor or a script branches on them):
      run began, whatever restarts of its daemon since), stopped before it was done, failed or waiting for an operator (its line says
      which: "stale: no heartbeat for 3d 00h", "never heard from: ...", "failed: ...")
   9  status: running, but its loop fails and retries by itself: a condition, with its reason
-     and since when ("ledger locked since 10:41:07", a full state disk)
+     and since when ("ledger locked since 10:41:07", a full state disk); or it cannot write its
+     state file (the state disk read-only): since when, and from when the state shown is
 """
 
 from __future__ import annotations
@@ -81,9 +82,10 @@ def _pid_alive(pid: int) -> bool:
 
 # ---- status ---------------------------------------------------------------------------------
 
-def collect_status(cfg: Config) -> dict[str, Any]:
-    """Everything `status` shows, as one JSON-able dict. Counts come from the ledger (the truth)
-    when it can be read, else from the state file."""
+def collect_status(cfg: Config, running: dict[str, Any] | None) -> dict[str, Any]:
+    """Everything `status` shows, as one JSON-able dict, for the config in force `cfg` and the
+    daemon's pointer `running` (pointer.read's, None where none runs). Counts come from the
+    ledger (the truth) when it can be read, else from the state file."""
     state, problem = read_state(cfg.paths.state_dir)
     state = state or {}
     out: dict[str, Any] = {"config": str(cfg.path), "state_problem": problem}
@@ -137,7 +139,7 @@ def collect_status(cfg: Config) -> dict[str, Any]:
     out["metrics_problem"] = state.get("metrics", {}).get("problem")
     out["paused_by"] = state.get("paused_by")
     out["condition"] = state.get("condition")
-    d = state.get("daemon", {})
+    d, out["state_stale"] = _heartbeat(state, running)
     age = time.time() - d["heartbeat"] if "heartbeat" in d else None
     alive = bool(d.get("alive") and d.get("pid") and age is not None and age < HEARTBEAT_STALE_S
                  and _pid_alive(int(d["pid"])))
@@ -154,6 +156,21 @@ def collect_status(cfg: Config) -> dict[str, Any]:
         out["shards_down"] = [f"{sh['name']}: {sh['problem']}" for sh in out["shards"]
                               if sh["problem"] and cfg.shard.trains]
     return out
+
+
+def _heartbeat(state: dict[str, Any], running: dict[str, Any] | None
+               ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The daemon's part of the state file, and None; or, where the running daemon's pointer
+    holds a newer heartbeat because the state file cannot be written (its disk read-only or
+    full), that heartbeat, and why the state file is stale, since when and from when the state
+    shown is."""
+    d = state.get("daemon", {})
+    stale = (running or {}).get("stale_state")
+    if not stale or stale["heartbeat"] <= d.get("heartbeat", float("-inf")):
+        return d, None
+    return ({"pid": running["pid"], "alive": True, "heartbeat": stale["heartbeat"]},
+            {"problem": stale["problem"], "since": stale["since"],
+             "shown_from": state.get("updated")})
 
 
 def shard_problem(sh: dict[str, Any], expected_since: float | None) -> str | None:
@@ -205,7 +222,7 @@ def status_code(st: dict[str, Any]) -> int:
         return NOT_RUNNING
     if st["stage"] == "failed":
         return FAILED
-    if st.get("condition"):
+    if st.get("condition") or st["state_stale"]:
         return LOOP_CONDITION
     if st.get("config_problem"):
         return EDIT_NOT_APPLIED
@@ -226,8 +243,14 @@ def _daemon_line(d: dict[str, Any]) -> str:
 
 
 def _problem_lines(st: dict[str, Any]) -> list[str]:
-    """The loop's condition (while the daemon runs) and a config edit not applied."""
+    """A state file the daemon cannot write and the loop's condition (while the daemon runs),
+    and a config edit not applied."""
     lines = []
+    stale = st["state_stale"]
+    if stale and st["daemon"]["alive"]:
+        shown = f"from {_clock(stale['shown_from'])}" if stale["shown_from"] else "none yet"
+        lines.append(f"state     not written since {_clock(stale['since'])} ({stale['problem']}); "
+                     f"the state shown is {shown}")
     condition = st.get("condition")
     if condition and st["daemon"]["alive"]:
         lines.append(f"condition {condition['reason']} since {_clock(condition['since'])}: "
@@ -410,7 +433,7 @@ def load_for_command(path: str, command: str) -> Config:
 
 def cmd_status(cfg: Config, args: argparse.Namespace) -> int:
     while True:
-        st = collect_status(cfg)
+        st = collect_status(cfg, pointer.read(Path(args.config)))
         if args.json:
             import json  # only --json needs it: status starts faster
             print(json.dumps(st, indent=None if args.watch else 2))
@@ -429,7 +452,7 @@ def cmd_status(cfg: Config, args: argparse.Namespace) -> int:
 
 def _request(cfg: Config, verb: str, payload: dict[str, Any]) -> int:
     from eagle3d.daemon import control  # only requests need it: status starts faster
-    st = collect_status(cfg)
+    st = collect_status(cfg, None)
     if not st["daemon"]["alive"]:
         print(f"the daemon is not running (state in {cfg.paths.state_dir}); start it "
               "(systemctl start eagle3d, or eagle3d run -c FILE) and try again", file=sys.stderr)

@@ -124,6 +124,7 @@ class Daemon:
         self.state_disk_pause: str | None = None
         self.phase = "starting"  # what the loop is doing, for a condition's reason
         self.publish_problems: dict[str, str | None] = {}  # of publishing's parts, by part
+        self.stale_state: dict[str, Any] | None = None  # while the state file cannot be written
         self._last_snapshot: dict[str, Any] | None = None
         self._last_ping = float("-inf")  # monotonic, as every interval here
         self._last_progress = float("-inf")  # monotonic: a clock step never silences them
@@ -472,10 +473,13 @@ class Daemon:
             try:
                 self._write_state(self.cfg, state)
             except OSError as exc:
-                self._publish_problem("write", f"cannot write the state file in "
-                                      f"{self.cfg.paths.state_dir}: {exc.strerror or exc}")
+                problem = (f"cannot write the state file in {self.cfg.paths.state_dir}: "
+                           f"{exc.strerror or exc}")
+                self._publish_problem("write", problem)
+                self._say_stale(problem, state)
                 return
             self._publish_problem("write", None)
+            self._say_stale(None, state)
             if self.cfg.metrics.textfile:
                 self.write_metrics(state)
             status = progress.line(state)
@@ -508,6 +512,23 @@ class Daemon:
         condition = self.conditions.current
         return {**state, "updated": now, "daemon": {**state["daemon"], "heartbeat": now},
                 "condition": condition.as_state() if condition else None}
+
+    def _say_stale(self, problem: str | None, state: dict[str, Any]) -> None:
+        """While the state file cannot be written, its heartbeat goes to the pointer instead,
+        with why and since when (statemachine/pointer.py's say_stale): status shows a live
+        daemon whose state is stale, never NOT RUNNING. Taken back once the state file is
+        written again."""
+        if problem is None and self.stale_state is None:
+            return
+        since = self.stale_state["since"] if self.stale_state else state["updated"]
+        self.stale_state = None if problem is None else {
+            "problem": problem, "since": since, "heartbeat": state["daemon"]["heartbeat"]}
+        try:
+            pointer.say_stale(self.cfg.path, self.stale_state)
+            self._publish_problem("pointer", None)
+        except (OSError, ValueError) as exc:  # the runtime folder too: status says NOT RUNNING
+            self._publish_problem("pointer", f"cannot write the daemon's pointer ({exc}): "
+                                  "status cannot tell this daemon is alive")
 
     def _publish_problem(self, part: str, problem: str | None) -> None:
         """Log a problem of publishing's `part` once per cause, and its end."""

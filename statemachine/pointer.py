@@ -1,7 +1,8 @@
 """The running daemon's pointer: which daemon runs for an editable config, with which config in
 force and state folder. Written by the daemon at start, removed at its stop; read by
 `eagle3ctl`, so that an edit to the file's [paths] (refused until a restart) never makes the
-running daemon look gone. The file's place is layout.daemon_pointer's."""
+running daemon look gone; and, while the state disk cannot be written, the daemon's heartbeat
+(say_stale). The file's place is layout.daemon_pointer's."""
 
 from __future__ import annotations
 
@@ -69,6 +70,23 @@ def read(config: Path) -> dict[str, Any] | None:
     except OSError:
         return None
     return doc
+
+
+def say_stale(config: Path, stale: dict[str, Any] | None) -> None:
+    """While the state file cannot be written (its disk read-only or full), the daemon's
+    heartbeat and why, in its pointer: the runtime folder lies off the state disk, so that
+    status shows a live daemon with a stale state rather than a dead one (a hung daemon's
+    heartbeat here ages as its state file's would). None: the state file is written again.
+    Raises OSError where the pointer cannot be rewritten; a pointer not this process's is left."""
+    import tomli_w
+    path = layout.daemon_pointer(config)
+    doc = tomllib.loads(path.read_text())
+    if doc.get("pid") != os.getpid():
+        return
+    doc.pop("stale_state", None)
+    if stale is not None:
+        doc["stale_state"] = stale
+    atomic_write_bytes(path, tomli_w.dumps(doc).encode(), durable=False)  # rewritten each second
 
 
 def remove(config: Path) -> None:

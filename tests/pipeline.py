@@ -22,7 +22,8 @@ def status(config: Path) -> dict[str, Any]:
     poll it twice a second while a daemon loads its model and extracts, and a Python process a
     poll (0.1 s of CPU each) took a fifth of a core from the daemon on a 2-core machine. The
     command's own output is tested through ctl() and tests/test_ctl.py."""
-    st = ctl_mod.collect_status(ctl_mod.load_for_command(str(config), "status"))
+    st = ctl_mod.collect_status(ctl_mod.load_for_command(str(config), "status"),
+                                ctl_mod.pointer.read(config))
     return json.loads(json.dumps(st))  # as the command prints it: lists, string keys
 
 

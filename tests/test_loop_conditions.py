@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from eagle3d.ctl.main import HEARTBEAT_STALE_S
 from eagle3d.daemon import control
 from eagle3d.daemon.children import Supervisor
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
+from tests.chaos.operator_disks import read_only
 from tests.pipeline import DaemonProcess, ctl, fill_file_system, status
 
 # A second process holds the ledger's write lock (an operator's sqlite3 shell left open, a
@@ -163,4 +165,32 @@ def test_a_full_state_disk_pauses_the_daemon_which_says_so_and_goes_on(config_fa
         ballast.unlink()
         st = d.status_until(lambda st: st["paused_by"] == "operator", 30, "the pause lifted")
         assert st["state_reserve"]["held"] and d.proc.poll() is None
+        assert d.stop() == 0
+
+
+@pytest.mark.slow
+def test_a_read_only_state_disk_shows_a_live_daemon_whose_state_is_stale(config_factory, tmpfs):
+    """The kernel turns the state disk read-only after an I/O error (here a read-only bind of it
+    over itself, as hostile seed 3's walk does): the state file and its heartbeat cannot be
+    rewritten. Status still shows the live daemon and its fresh heartbeat, says since when the
+    state file is not written and from when the state shown is, with the condition's code 9,
+    never NOT RUNNING; once the disk is back, status is the plain one again."""
+    disk = tmpfs("state", "80m")
+    config = paused_config(config_factory, state_dir=str(disk / "state"))
+    with DaemonProcess(config) as d:
+        d.status_until(lambda st: st["stage"] == "paused", 60, "the pause")
+        with read_only(disk):
+            time.sleep(HEARTBEAT_STALE_S + 3)  # past the age at which a silent state file is death
+            proc = ctl(config, "status")
+            assert d.proc.poll() is None, d.output()[-4000:]
+            assert proc.returncode == 9, proc.stdout + proc.stderr
+            assert "NOT RUNNING" not in proc.stdout, proc.stdout
+            assert re.search(r"state     not written since \d\d:\d\d:\d\d \(cannot write the state "
+                             r"file in .*: Read-only file system\); the state shown is from "
+                             r"\d\d:\d\d:\d\d", proc.stdout), proc.stdout
+            st = status(config)
+            assert st["daemon"]["alive"] and st["daemon"]["heartbeat_age_s"] < 5, st["daemon"]
+        d.status_until(lambda st: not st["state_stale"], 30, "the state file written again")
+        proc = ctl(config, "status")
+        assert proc.returncode == 0 and "not written" not in proc.stdout, proc.stdout
         assert d.stop() == 0
