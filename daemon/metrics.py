@@ -61,7 +61,10 @@ def _samples(state: dict[str, Any]) -> Iterator[Sample]:
     yield "eagle3d_stage_since_timestamp_seconds", {}, state.get("since")
     yield "eagle3d_waiting_for_operator", {}, 1 if _waits_for_operator(state) else 0
     yield "eagle3d_config_refused", {}, 1 if state.get("config", {}).get("problem") else 0
-    yield "eagle3d_loop_condition", {}, 1 if state.get("condition") else 0
+    stale = state.get("state_stale")
+    yield "eagle3d_loop_condition", {}, 1 if state.get("condition") or stale else 0
+    yield ("eagle3d_state_not_written", {"reason": stale["problem"] if stale else ""},
+           1 if stale else 0)
     yield "eagle3d_gate_open", {}, 1 if gate.get("open") else 0
     samples = state.get("samples", {})
     for status in (*STATUSES, "skipped"):
@@ -127,7 +130,10 @@ HELP = {
     "eagle3d_stage_since_timestamp_seconds": "when the pipeline entered its stage (Unix time)",
     "eagle3d_waiting_for_operator": "1 when only a person can move the pipeline on",
     "eagle3d_config_refused": "1 while the last reload was refused (the old config in force)",
-    "eagle3d_loop_condition": "1 while the loop's ticks fail and are retried (status exit 9)",
+    "eagle3d_loop_condition": ("1 while the loop's ticks fail and are retried, or the state file "
+                               "cannot be written (status exit 9)"),
+    "eagle3d_state_not_written": ("1 while the state file cannot be written (its disk read-only or "
+                                  "full), the reason in its label; the metrics stay fresh"),
     "eagle3d_gate_open": "1 once every sample is verified or excluded (training may start)",
     "eagle3d_samples": "samples of the run's ledger by status",
     "eagle3d_tokens_done": "tokens of the samples extracted or verified",

@@ -470,18 +470,20 @@ class Daemon:
             state = self._state(final)
             if state is None:
                 return
+            problem = None
             try:
                 self._write_state(self.cfg, state)
             except OSError as exc:
                 problem = (f"cannot write the state file in {self.cfg.paths.state_dir}: "
                            f"{exc.strerror or exc}")
-                self._publish_problem("write", problem)
-                self._say_stale(problem, state)
-                return
-            self._publish_problem("write", None)
-            self._say_stale(None, state)
+            self._publish_problem("write", problem)
+            self._say_stale(problem, state)
             if self.cfg.metrics.textfile:
-                self.write_metrics(state)
+                # On a disk of their own the metrics go on, heartbeat fresh and the state's
+                # staleness said: a stale textfile would page a live daemon as dead.
+                self.write_metrics({**state, "state_stale": self.stale_state})
+            if problem is not None:
+                return
             status = progress.line(state)
             self.notifier.status(status)
             if now - self._last_progress >= progress.PROGRESS_EVERY_S or final:

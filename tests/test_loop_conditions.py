@@ -36,9 +36,10 @@ time.sleep(600)
 """
 
 
-def paused_config(config_factory, **paths: str) -> Path:
+def paused_config(config_factory, metrics: dict[str, str] | None = None, **paths: str) -> Path:
     """A daemon paused from its first tick: no planner, no engine; only the loop runs."""
-    config = config_factory({"paths": paths} if paths else None)
+    sections = {key: value for key, value in (("paths", paths), ("metrics", metrics)) if value}
+    config = config_factory(sections or None)
     state_dir = load_config(config).paths.state_dir
     layout.control_dir(state_dir).mkdir(parents=True, mode=0o700)
     control.submit(state_dir, "pause", {"reason": "the loop alone"})
@@ -193,4 +194,35 @@ def test_a_read_only_state_disk_shows_a_live_daemon_whose_state_is_stale(config_
         d.status_until(lambda st: not st["state_stale"], 30, "the state file written again")
         proc = ctl(config, "status")
         assert proc.returncode == 0 and "not written" not in proc.stdout, proc.stdout
+        assert d.stop() == 0
+
+
+def test_a_read_only_state_disk_keeps_the_metrics_fresh_and_says_why(config_factory, tmpfs,
+                                                                     tmp_path):
+    """The state disk read-only, node_exporter's textfile on a healthy disk: the textfile goes on
+    being written, its heartbeat fresh (a stale one pages a live daemon as dead), and it says the
+    state is not written and why (eagle3d_loop_condition pages for that reason); once the disk
+    is back, both are 0 again."""
+    from tests.test_metrics import scrape, value
+    disk = tmpfs("state", "80m")
+    textfile = tmp_path / "textfile" / "eagle3d.prom"
+    textfile.parent.mkdir()
+    config = paused_config(config_factory, {"textfile": str(textfile)},
+                           state_dir=str(disk / "state"))
+    with DaemonProcess(config) as d:
+        d.status_until(lambda st: st["stage"] == "paused", 60, "the pause")
+        with read_only(disk):
+            time.sleep(HEARTBEAT_STALE_S + 3)
+            samples = scrape(textfile)
+            assert d.proc.poll() is None, d.output()[-4000:]
+            assert time.time() - value(samples, "eagle3d_heartbeat_timestamp_seconds") < 5
+            assert value(samples, "eagle3d_loop_condition") == 1
+            reason = [dict(labels)["reason"] for (name, labels), v in samples.items()
+                      if name == "eagle3d_state_not_written" and v == 1]
+            assert reason and "Read-only file system" in reason[0], samples
+        d.status_until(lambda st: not st["state_stale"], 30, "the state file written again")
+        time.sleep(2)
+        samples = scrape(textfile)
+        assert value(samples, "eagle3d_loop_condition") == 0
+        assert value(samples, "eagle3d_state_not_written") == 0
         assert d.stop() == 0
