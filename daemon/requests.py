@@ -15,6 +15,9 @@ from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.ledger import Ledger
 
+# verify --full's reason, on the `unverified` event of each sample it sends back to verify.
+VERIFY_FULL = "eagle3ctl verify --full"
+
 
 def _ids(args: dict[str, Any]) -> list[str]:
     ids = args.get("ids")
@@ -81,7 +84,7 @@ def handle(request: control.Request, ledger: Ledger, unblock: Callable[[bool], N
         _known(ledger, ids)
         return f"{ledger.exclude(ids, reason)} samples excluded: {reason}"
     if request.verb == "verify-full":
-        n = ledger.unverify_all("eagle3ctl verify --full")
+        n = ledger.unverify_all(VERIFY_FULL)
         forget_failed_spot_check(ledger)
         ledger.event("verify_full", f"{n} verified samples to verify again")
         return f"{n} verified samples will be verified again"

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import psutil
 
+from eagle3d.daemon.requests import VERIFY_FULL
 from eagle3d.dataset import contract as capture_contract, dumpformat
 from eagle3d.statemachine import layout, pointer, runs
 from eagle3d.statemachine.config_validation import ConfigError, load_config
@@ -657,22 +658,31 @@ def ledger_facts(world: World, run: runs.Run) -> None:
         return
     with Ledger(path, readonly=True, timeout=10) as ledger:
         rows = ledger.samples()
+        status_of = {r.id: r.status for r in rows}
+        gone = {s for s in world.verified.get(run.id, set())
+                if status_of.get(s) not in ("verified", "excluded") and s not in world.damaged
+                and not (status_of.get(s) == "extracted" and sent_back_to_verify(ledger, s))}
     ids = [r.id for r in rows]
     if len(ids) != len(set(ids)):
         raise Violation("a sample id appears once", f"run {run.id} lists an id twice")
     lost = world.planned.get(run.id, set()) - set(ids)
     if lost:
         raise Violation("no verified sample is lost", f"run {run.id} lost {sorted(lost)[:4]}")
-    status_of = {r.id: r.status for r in rows}
-    gone = {s for s in world.verified.get(run.id, set())
-            if status_of.get(s) not in ("verified", "excluded")
-            and s not in world.damaged}
     if gone:
         raise Violation("no verified sample is lost",
                         f"run {run.id}: {sorted(gone)[:4]} were verified, now "
                         f"{[status_of.get(s) for s in sorted(gone)[:4]]}")
     world.planned.setdefault(run.id, set()).update(ids)
     world.verified.setdefault(run.id, set()).update(r.id for r in rows if r.status == "verified")
+
+
+def sent_back_to_verify(ledger: Ledger, sid: str) -> bool:
+    """`eagle3ctl verify --full` sends every verified sample back to extracted, each with an
+    `unverified` event, until verify reads it again (docs/operations.md): by design, not lost.
+    Any other way out of verified (the trainer's pre-check included) is still a loss here."""
+    last = ledger.db.execute("SELECT kind, detail FROM events WHERE sample = ? "
+                             "ORDER BY seq DESC LIMIT 1", (sid,)).fetchone()
+    return tuple(last or ()) == ("unverified", VERIFY_FULL)
 
 
 # ---- a walk, its replay and its shrinking ----------------------------------------------------

@@ -12,9 +12,13 @@ command a failure prints.
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 
+from eagle3d.daemon.requests import VERIFY_FULL
+from eagle3d.statemachine import layout
+from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from tests.chaos import operator_walk
 from tests.chaos.figures import SCALE
 from tests.chaos.operator_hostile import HOSTILE
@@ -62,6 +66,32 @@ def test_ci_walks_meet_no_open_finding():
     for name, seed in CI_WALKS:
         drawn = {a for a, _ in operator_walk.plan(CAMPAIGNS[name], seed, 16)}
         assert not drawn & set(OPEN), f"{name} seed {seed} draws {drawn & set(OPEN)}"
+
+
+def test_verify_full_loses_no_verified_sample_but_any_other_way_out_does(tmp_path):
+    """Hostile seed 3: `verify --full` (the walk's truncate-dump) sends every verified sample
+    back to extracted by design, and the check right after it called the undamaged ones lost.
+    The ledger the daemon writes says why (an `unverified` event of verify --full): that is no
+    loss; a verified sample back to pending, or unverified for another reason, still is."""
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    run = SimpleNamespace(id="r", state_dir=state_dir)  # what the check reads of a runs.Run
+    world = operator_walk.World(root=tmp_path, config=tmp_path / "eagle3d.toml", notify=None, n=3)
+    with Ledger(layout.ledger(state_dir)) as ledger:
+        ledger.add_planned([PlannedSample(f"{i:032x}", i, 10, 5, "h", b"\0" * 4, b"\1")
+                            for i in range(3)], [], {})
+        for s in ledger.claim(3, 10**6):
+            ledger.mark_extracted(s.id, f"{s.id}.e3d", 100, "c")
+            ledger.mark_verified(ledger.sample(s.id), "stat")
+        operator_walk.ledger_facts(world, run)
+        ledger.unverify_all(VERIFY_FULL)  # what the daemon does on `eagle3ctl verify --full`
+        operator_walk.ledger_facts(world, run)
+        first = ledger.sample(f"{0:032x}")
+        ledger.mark_verified(first, "stat")  # verify read it again
+        operator_walk.ledger_facts(world, run)
+        ledger.unverify([first.id], "the trainer: changed since verify")
+        with pytest.raises(operator_walk.Violation, match="no verified sample is lost"):
+            operator_walk.ledger_facts(world, run)
 
 
 @pytest.mark.parametrize("campaign,seed", walks())
