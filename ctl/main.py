@@ -20,6 +20,9 @@ Exit codes (a monitor or a script branches on them):
   9  status: running, but its loop fails and retries by itself: a condition, with its reason
      and since when ("ledger locked since 10:41:07", a full state disk); or it cannot write its
      state file (the state disk read-only): since when, and from when the state shown is
+  75 pause, resume, retry, exclude, verify: the daemon runs, but its state disk cannot be
+     written (read-only or full), so the request was not delivered: send it again once status
+     no longer shows its 'state not written' line
 """
 
 from __future__ import annotations
@@ -213,6 +216,7 @@ EDIT_NOT_APPLIED = 5
 NEEDS_RESTART_CODE, RELOAD_REFUSED = 6, 7
 SHARD_DOWN = 8
 LOOP_CONDITION = 9
+NOT_NOW = 75  # a request not delivered for now (EX_TEMPFAIL, as `eagle3d run`'s "not now")
 
 
 def status_code(st: dict[str, Any]) -> int:
@@ -450,13 +454,19 @@ def cmd_status(cfg: Config, args: argparse.Namespace) -> int:
             return status_code(st)
 
 
-def _request(cfg: Config, verb: str, payload: dict[str, Any]) -> int:
+def _request(cfg: Config, config: Path, verb: str, payload: dict[str, Any]) -> int:
     from eagle3d.daemon import control  # only requests need it: status starts faster
-    st = collect_status(cfg, None)
+    st = collect_status(cfg, pointer.read(config))
     if not st["daemon"]["alive"]:
         print(f"the daemon is not running (state in {cfg.paths.state_dir}); start it "
               "(systemctl start eagle3d, or eagle3d run -c FILE) and try again", file=sys.stderr)
-        return 3
+        return NOT_RUNNING
+    if st["state_stale"]:  # the control folder lies on that disk: nothing can reach the daemon
+        print(f"the daemon runs (pid {st['daemon']['pid']}), but its state disk cannot be "
+              f"written ({st['state_stale']['problem']}): the request was not delivered; "
+              "send it again once eagle3ctl status no longer shows a 'state not written' line",
+              file=sys.stderr)
+        return NOT_NOW
     reply = control.send(cfg.paths.state_dir, verb, payload, ACK_TIMEOUT_S)
     if reply is None:
         print(f"the daemon did not answer within {ACK_TIMEOUT_S:.0f} s; the request was "
@@ -688,19 +698,21 @@ def run(argv: list[str]) -> int:
         from eagle3d.ctl import run_commands
         return run_commands.cmd_runs(cfg, args) if args.command == "runs" else \
             run_commands.cmd_forget(cfg, args)
+    config = Path(args.config)  # the requests find the running daemon through its pointer
     if args.command == "pause":
-        return _request(cfg, "pause", {"reason": args.reason})
+        return _request(cfg, config, "pause", {"reason": args.reason})
     if args.command == "resume":
-        return _request(cfg, "resume", {})
+        return _request(cfg, config, "resume", {})
     if args.command == "retry":
         if bool(args.ids) == args.failed:
             print("give sample ids or --failed", file=sys.stderr)
             return 2
-        return _request(cfg, "retry", {"failed": True} if args.failed else {"ids": args.ids})
+        which = {"failed": True} if args.failed else {"ids": args.ids}
+        return _request(cfg, config, "retry", which)
     if args.command == "exclude":
-        return _request(cfg, "exclude", {"ids": args.ids, "reason": args.reason})
+        return _request(cfg, config, "exclude", {"ids": args.ids, "reason": args.reason})
     if args.command == "verify":
-        return _request(cfg, "verify-full", {})
+        return _request(cfg, config, "verify-full", {})
     try:
         if args.command == "samples":
             return cmd_samples(cfg, args)

@@ -226,3 +226,27 @@ def test_a_read_only_state_disk_keeps_the_metrics_fresh_and_says_why(config_fact
         assert value(samples, "eagle3d_loop_condition") == 0
         assert value(samples, "eagle3d_state_not_written") == 0
         assert d.stop() == 0
+
+
+def test_a_request_to_a_daemon_whose_state_disk_is_read_only_says_it_was_not_delivered(
+        config_factory, tmpfs):
+    """The control folder lies on the state disk: while it is read-only a request cannot reach
+    the running daemon. eagle3ctl says so (the daemon runs, its state disk is read-only, send
+    again later), exit 75, never "the daemon is not running"; once the disk is back it goes
+    through."""
+    disk = tmpfs("state", "80m")
+    config = paused_config(config_factory, state_dir=str(disk / "state"))
+    with DaemonProcess(config) as d:
+        d.status_until(lambda st: st["stage"] == "paused", 60, "the pause")
+        with read_only(disk):
+            d.status_until(lambda st: st["state_stale"], 30, "the state file not written")
+            proc = ctl(config, "resume")
+            assert proc.returncode == 75, proc.stdout + proc.stderr
+            assert "not running" not in proc.stderr, proc.stderr
+            assert re.search(rf"the daemon runs \(pid {d.proc.pid}\), but its state disk cannot be "
+                             r"written \(.*Read-only file system\): the request was not "
+                             r"delivered", proc.stderr), proc.stderr
+        d.status_until(lambda st: not st["state_stale"], 30, "the state file written again")
+        assert ctl(config, "resume").returncode == 0
+        d.status_until(lambda st: st["stage"] != "paused", 60, "the resume")
+        assert d.stop() == 0
