@@ -121,9 +121,9 @@ def venv_bin(name: str) -> str:
 
 # The test files holding `make test`'s longest tests (30 s to two minutes each in a `make test`
 # on a busy 2-core machine, 2026-12-06), longest first. pytest-xdist hands each worker a
-# contiguous half of the collection, and a worker that runs dry steals the end of the other's
+# contiguous share of the collection, and a worker that runs dry steals the end of another's
 # queue, never the test it runs nor its next: collected last (test_verify_e2e.py), one of these
-# could end the run on one worker while the other idled. Run first, the short tests fill the end.
+# could end the run on one worker while the others idled. Run first, the short tests fill the end.
 # Whole files move, in their own order: a module's fixture is set up once.
 LONGEST_FIRST = (
     "test_drafter_evaluate.py", "test_child_liveness.py", "test_run_switch.py",

@@ -37,9 +37,6 @@ STATE_DISK = "160m"     # the state reserve (32 MiB) is taken back once twice th
 DATASET_DISK = "256m"   # LIFT (100 MiB) must stay free on it
 BALLAST = 4 * 2**20     # World.hold: the reserve that pauses lies within what is used
 RUNNING = (0, 4, 5, 9)  # status's exit codes of a live daemon that a disk fault may show
-# issue 59: single-node torchrun listens on every interface; fixed on another branch (its
-# trainer rendezvous on loopback). Seen, it is recorded, not a violation: the test xfails.
-TORCHRUN_LISTENS = "torchrun listens beyond loopback (issue 59, fixed on another branch)"
 
 
 def disks(world: World, mount: Callable[[str, str], Path]) -> None:
@@ -205,12 +202,8 @@ def loopback_only(world: World) -> None:
         for c in conns:
             if c.status != psutil.CONN_LISTEN or ipaddress.ip_address(c.laddr.ip).is_loopback:
                 continue
-            heard = f"{cmd[:90]} listens on {c.laddr.ip}:{c.laddr.port}"
-            if "torch.distributed.run" in cmd or "torchrun" in cmd:
-                if TORCHRUN_LISTENS not in world.known:
-                    world.known.append(TORCHRUN_LISTENS)
-                continue
-            raise Violation("no listener beyond loopback (shared servers)", heard)
+            raise Violation("no listener beyond loopback (shared servers)",
+                            f"{cmd[:90]} listens on {c.laddr.ip}:{c.laddr.port}")
 
 
 def check(world: World) -> None:

@@ -118,7 +118,6 @@ class World:
     # [paths] folders the walk put on file systems of their own (operator_disks.py): the first
     # part of an edit's value ("state", "dataset") names the folder on its disk
     moved: dict[str, Path] = field(default_factory=dict)
-    known: list[str] = field(default_factory=list)  # what met a defect fixed on another branch
     faults: int = 0                        # disk faults the walk did (operator_disks.py)
     # the wall clock of the daemon and of eagle3ctl, where the walk steps it (operator_clock.py)
     clock: Any = None
@@ -697,7 +696,6 @@ class Outcome:
     kept: list[int]                  # the plan's indices walked
     seconds: float
     crashes: int
-    known: list[str] = field(default_factory=list)  # World.known
 
 
 def walk(campaign: Campaign, seed: int, tmp: Path, scale: int, length: int,
@@ -735,7 +733,7 @@ def walk(campaign: Campaign, seed: int, tmp: Path, scale: int, length: int,
         campaign.close(world)
         close(world)
     return Outcome(campaign.name, seed, steps, violation, failed_at, kept, time.time() - t0,
-                   world.crashes, world.known)
+                   world.crashes)
 
 
 def _short(p: dict[str, Any]) -> str:
