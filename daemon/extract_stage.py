@@ -20,6 +20,7 @@ from typing import Any, Callable, Protocol
 from eagle3d.capture.engines import CaptureEngine as Engine, EngineUnavailable
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.daemon import budgets
+from eagle3d.daemon.ages import Ages
 from eagle3d.daemon.children import Silence, Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import plan_batch_item, start_engine
@@ -55,32 +56,6 @@ class _NoBorrower:
         pass
 
 
-class InflightAges:
-    """How long each sample has been in flight, on time.monotonic() within the daemon's life.
-
-    The ledger's dispatched_at is wall-clock time, the only record that outlives the daemon, and
-    NTP may step that clock by hours: judged on it, a step forward would expire every sample in
-    flight at once and charge each an attempt, a step back would keep them in flight for hours.
-    So a dispatch of this daemon counts from the monotonic instant it was made; only a sample
-    dispatched before the daemon started (a restart) takes its age from the ledger, once, at
-    the first look (never below 0), and grows on the monotonic clock from then on."""
-
-    def __init__(self) -> None:
-        self._since: dict[str, float] = {}  # id -> the monotonic instant its age counts from
-
-    def dispatched(self, ids: list[str]) -> None:
-        now = time.monotonic()
-        self._since.update((sid, now) for sid in ids)
-
-    def expired(self, inflight: dict[str, float], timeout: float) -> list[str]:
-        """The samples of `inflight` (id -> dispatched_at) in flight for `timeout` s or more."""
-        mono, wall = time.monotonic(), time.time()
-        known = self._since
-        self._since = {sid: known[sid] if sid in known else mono - max(0.0, wall - at)
-                       for sid, at in inflight.items()}
-        return [sid for sid, since in self._since.items() if mono - since >= timeout]
-
-
 class ExtractStage:
     name = Stage.EXTRACT.value
     state_key = "engine"
@@ -111,7 +86,9 @@ class ExtractStage:
         self.ingest_threads: list[threading.Thread] = []
         self.ingested: collections.deque[tuple[float, int]] = collections.deque()
         self.ingest_lock = threading.Lock()
-        self.inflight_ages = InflightAges()
+        # How long each sample has been in flight on the monotonic clock: the ledger's
+        # dispatched_at is wall-clock time, which NTP may step by hours (issue 59 rule 4).
+        self.inflight_ages = Ages()
         self.disk_full_until = 0.0
         self.disk_full_why = ""  # what the last disk event said, for the budget's reason
         self.stopping = False
@@ -294,7 +271,9 @@ class ExtractStage:
         timeout = self.cfg.extract.inflight_timeout_s
         if self.silence.silent_for() >= timeout:
             return  # a late sample is its own fault only while the engine works on others
-        for sid in self.inflight_ages.expired(self.ledger.inflight(), timeout):
+        inflight = self.ledger.inflight()
+        ages = self.inflight_ages.update({sid: (at, at) for sid, at in inflight.items()})
+        for sid in (sid for sid, age in ages.items() if age >= timeout):
             self.ledger.mark_retry(sid, f"no dump within {timeout:.0f} s",
                                    self.cfg.extract.max_attempts)
 
@@ -311,7 +290,6 @@ class ExtractStage:
             claimed = self.ledger.claim(room_samples, min(room_tokens, bounds.batch_tokens))
             if not claimed:
                 return
-            self.inflight_ages.dispatched([s.id for s in claimed])
             tokens = self.ledger.plan_tokens([s.id for s in claimed])
             engine.submit([plan_batch_item(s.id, *tokens[s.id]) for s in claimed],
                           self.cfg.paths.spool_dir)
