@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import tomli_w
 
 from eagle3d.ctl import main as ctl_mod
@@ -108,6 +110,25 @@ def run_until(config: Path, until: str, timeout: float = 600) -> str:
         out = d.output()
     assert code == 0, out[-6000:]
     return out
+
+
+def listeners_beyond_loopback(pid: int) -> set[tuple[str, str, int]]:
+    """The sockets of `pid`'s process tree listening beyond loopback (0.0.0.0, ::, an address
+    of the network), as (process, address, port): none may, on a shared server."""
+    found = set()
+    try:
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return found
+    for p in procs:
+        try:
+            for c in p.net_connections(kind="inet"):
+                if c.status == psutil.CONN_LISTEN and \
+                        not ipaddress.ip_address(c.laddr.ip).is_loopback:
+                    found.add((" ".join(p.cmdline()[1:4]), c.laddr.ip, c.laddr.port))
+        except psutil.Error:
+            pass
+    return found
 
 
 def fill_file_system(folder: Path) -> Path:

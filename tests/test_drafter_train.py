@@ -15,6 +15,7 @@ import pytest
 
 from drafter_fixtures import MODEL, cached_dataset, write_config
 from eagle3d.statemachine.config_schema import TrainConfig
+from tests.pipeline import listeners_beyond_loopback
 
 PY = sys.executable
 SMALL = {"draft_vocab": 2048, "ttt_steps": 2, "epochs": 1.0, "batch_tokens": 1024, "lr": 3e-4,
@@ -689,27 +690,6 @@ def test_the_curves_are_there_while_it_trains(tmp_path, data_root):
     assert logged and logged == sorted(logged) and logged[0] == 1
 
 
-def wildcard_listeners(root: subprocess.Popen) -> set[tuple[str, str, int]]:
-    """The sockets of `root`'s process tree listening beyond loopback (0.0.0.0, ::, an address
-    of the network), as (process, address, port)."""
-    import ipaddress
-    import psutil
-    found = set()
-    try:
-        procs = [psutil.Process(root.pid), *psutil.Process(root.pid).children(recursive=True)]
-    except psutil.Error:
-        return found
-    for p in procs:
-        try:
-            for c in p.net_connections(kind="inet"):
-                if c.status == psutil.CONN_LISTEN and \
-                        not ipaddress.ip_address(c.laddr.ip).is_loopback:
-                    found.add((" ".join(p.cmdline()[1:4]), c.laddr.ip, c.laddr.port))
-        except psutil.Error:
-            pass
-    return found
-
-
 def start_as_the_daemon_does(config: Path, env: dict[str, str] | None = None
                              ) -> subprocess.Popen:
     """The trainer's command from the daemon, in a session of its own as the daemon's children
@@ -757,7 +737,7 @@ def test_a_one_node_training_listens_on_no_network_address(tmp_path, data_root, 
     seen: set = set()
     deadline = time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
-        seen |= wildcard_listeners(proc)
+        seen |= listeners_beyond_loopback(proc.pid)
         time.sleep(0.05)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err[-3000:]

@@ -16,8 +16,6 @@ the walk's own, and every open after it meets EROFS, as after the kernel's error
 
 from __future__ import annotations
 
-import errno
-import ipaddress
 import os
 import stat
 import subprocess
@@ -25,13 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-import psutil
 
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger
 from tests.chaos import operator_walk as ow
 from tests.chaos.operator_walk import Violation, World
-from tests.pipeline import edit_config
+from tests.pipeline import edit_config, fill_file_system, listeners_beyond_loopback
 
 STATE_DISK = "160m"     # the state reserve (32 MiB) is taken back once twice that is free
 DATASET_DISK = "256m"   # LIFT (100 MiB) must stay free on it
@@ -148,16 +145,8 @@ def act_state_disk_full(world: World, p: dict[str, Any]) -> str:
     disk = _disk(world, "state")
     if not world.alive() or disk is None:
         return "skip"
-    filler = disk / "filler"
     with fault(world, "the state disk was full", p["s"]) as f:
-        try:
-            with open(filler, "wb") as out:
-                while True:
-                    out.write(b"\0" * 2**20)
-                    out.flush()
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
+        filler = fill_file_system(disk)
         try:
             f.hold()
         finally:
@@ -193,17 +182,10 @@ def loopback_only(world: World) -> None:
     """No process of the daemon's listens on an address another machine can reach."""
     if not world.alive():
         return
-    for proc in [psutil.Process(world.daemon.proc.pid), *ow._children(world.daemon.proc.pid)]:
-        try:
-            conns = proc.net_connections(kind="inet")
-            cmd = " ".join(proc.cmdline())
-        except psutil.Error:
-            continue
-        for c in conns:
-            if c.status != psutil.CONN_LISTEN or ipaddress.ip_address(c.laddr.ip).is_loopback:
-                continue
-            raise Violation("no listener beyond loopback (shared servers)",
-                            f"{cmd[:90]} listens on {c.laddr.ip}:{c.laddr.port}")
+    heard = listeners_beyond_loopback(world.daemon.proc.pid)
+    if heard:
+        raise Violation("no listener beyond loopback (shared servers)",
+                        "; ".join(f"{cmd} listens on {ip}:{port}" for cmd, ip, port in heard))
 
 
 def check(world: World) -> None:
