@@ -35,8 +35,6 @@ from eagle3d.statemachine.lifecycle import die_with_parent
 
 log = logging.getLogger("eagle3d.launcher")
 
-# The FileStore the ranks meet in (drafter/train.py init_runtime reads it).
-RENDEZVOUS_ENV = "EAGLE3D_RENDEZVOUS_FILE"
 POLL_S = 0.1
 
 
@@ -64,7 +62,7 @@ def rank_env(rank: int, world: int, store: Path, loopback: str) -> dict[str, str
     sockets (without it they bind the address of the host name, reachable from the network)."""
     env = dict(os.environ)
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                "LOCAL_WORLD_SIZE": str(world), RENDEZVOUS_ENV: str(store),
+                "LOCAL_WORLD_SIZE": str(world), layout.RENDEZVOUS_ENV: str(store),
                 "GLOO_SOCKET_IFNAME": loopback, "NCCL_SOCKET_IFNAME": loopback})
     # torchrun's default for several processes: the ranks do not oversubscribe the CPU.
     env.setdefault("OMP_NUM_THREADS", "1")

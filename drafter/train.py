@@ -35,7 +35,6 @@ from eagle3d.target.loading import cpu_computes_bf16, pick_device
 from eagle3d.target.loading import load_config as load_target_config
 from eagle3d.drafter import checkpoint, data, loss as loss_mod, reader, vocab as vocab_mod
 from eagle3d.drafter.export import export
-from eagle3d.drafter.launch import RENDEZVOUS_ENV
 from eagle3d.drafter.model import DraftConfig, Eagle3Drafter
 from eagle3d.drafter.plots import plot_metrics
 from eagle3d.drafter.reporting import Reporter, StepFigures
@@ -83,7 +82,7 @@ def init_runtime(cfg: Config) -> Runtime:
     if world > 1:
         # One node's ranks meet in the launcher's FileStore (drafter/launch.py), several nodes'
         # through torchrun's environment.
-        store = os.environ.get(RENDEZVOUS_ENV)
+        store = os.environ.get(layout.RENDEZVOUS_ENV)
         dist.init_process_group("nccl" if kind == "cuda" else "gloo",
                                 init_method=f"file://{store}" if store else "env://",
                                 rank=rank, world_size=world)

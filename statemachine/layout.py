@@ -214,6 +214,11 @@ def vocab_file(train_dir: Path) -> Path:
     return Path(train_dir) / "vocab.safetensors"
 
 
+# The variable that hands the ranks of one node that file (drafter/launch.py sets it,
+# drafter/train.py init_runtime reads it).
+RENDEZVOUS_ENV = "EAGLE3D_RENDEZVOUS_FILE"
+
+
 def rendezvous_file(train_dir: Path) -> Path:
     """Where the ranks of one node meet (drafter/launch.py): a FileStore in a folder of mode
     0700, so that no socket listens for them and no other user reads or writes it."""
