@@ -27,7 +27,7 @@ from pathlib import Path
 
 import psutil
 
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import layout, safepath
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_in_force import IN_FORCE_OPTION
 from eagle3d.statemachine.entry import Refusal, child_main
@@ -51,8 +51,10 @@ def fresh_rendezvous(train_dir: Path) -> Path:
     """The FileStore's path, in a folder of mode 0700, without the file an earlier start left
     (a FileStore counts the ranks that joined it)."""
     store = layout.rendezvous_file(train_dir)
-    store.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(store.parent, 0o700)
+    problem = safepath.folder_problem(store.parent, 0o700)
+    if problem:
+        raise Refusal(f"refusing to train: {problem}")
+    os.chmod(store.parent, 0o700)  # folder_problem lets others read; the ranks alone may
     store.unlink(missing_ok=True)
     return store
 
