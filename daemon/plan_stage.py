@@ -80,11 +80,10 @@ class PlanStage:
                 "and reload: a reload of a new data slice switches to its own run")
 
     def observe(self, seen: Seen) -> PlanFacts:
-        # The plan is read once a tick: the config against the dataset (its contract, its
-        # slice), then how far the plan got.
-        plan = plan_meta.read(self.ledger)
-        self._conflict = self.contract_conflict() or self.data_conflict(plan)
-        return PlanFacts(self.complete(plan), self.blocked)
+        # The config against the dataset (its contract, its slice), then how far the plan got,
+        # as the loop read it this tick (stages.Seen: before the counts).
+        self._conflict = self.contract_conflict() or self.data_conflict(seen.plan)
+        return PlanFacts(self.complete(seen.plan), self.blocked)
 
     @property
     def blocked(self) -> str | None:

@@ -43,7 +43,8 @@ from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
-from eagle3d.statemachine import daemon_lock, entry, layout, pointer, runs, safepath, stages
+from eagle3d.statemachine import (daemon_lock, entry, layout, plan_meta, pointer, runs,
+                                  safepath, stages)
 from eagle3d.statemachine.atomic import remove_dead_temps
 from eagle3d.statemachine.config_in_force import write_in_force
 from eagle3d.statemachine.config_schema import STOP_BUDGET_S, Config
@@ -363,12 +364,13 @@ class Daemon:
 
     def observe(self) -> Facts:
         self.note_set_aside()
+        plan = plan_meta.read(self.ledger)  # first: see stages.Seen
         counts = self.ledger.counts()
         # The verified set's fingerprint costs a pass over it: only worth it once the gate is
         # open, when it changes rarely (per-sample cost must stay flat at a million samples).
         share = self.cfg.shard.count > 1
         seen = Seen(counts, self.verified_fingerprint() if stages.gate(counts, share).open
-                    else None)
+                    else None, plan)
         facts = stages.merge(counts, (stage.observe(seen) for stage in self.stages),
                              operator_pause=requests.operator_pause(self.root_cfg.paths.state_dir),
                              share=share, state_disk_pause=self.state_disk_pause)

@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Any, Iterable, NamedTuple
 
 from eagle3d.statemachine.ledger import Counts
+from eagle3d.statemachine.plan_meta import PlanMeta
 
 ORDER = ("plan", "generate", "extract", "verify", "train", "done")
 
@@ -55,6 +56,9 @@ class Seen(NamedTuple):
     """What the loop reads once per tick for every stage's `observe`."""
     counts: Counts
     fingerprint: str | None  # the verified set's, once the gate is open (None before)
+    # Read before `counts`: the planner commits each batch with its plan.* keys, so a plan
+    # complete here has all its samples in the counts read after it (never "0 samples").
+    plan: PlanMeta = PlanMeta()
 
 
 class Facts(NamedTuple):

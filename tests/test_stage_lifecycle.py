@@ -17,7 +17,7 @@ import pytest
 from eagle3d.daemon import control, train_stage
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.reconcile import Daemon
-from eagle3d.statemachine import layout, manifest, train_files
+from eagle3d.statemachine import layout, manifest, stages, train_files
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
@@ -32,7 +32,7 @@ GRACE = 7.0
 # exits or (RUN) keeps going until SIGTERM, when it checkpoints and exits, as drafter/train.py.
 TRAINER = """
 import pathlib, signal, sys, time
-from eagle3d.statemachine import layout, manifest, train_files
+from eagle3d.statemachine import layout, manifest, stages, train_files
 dataset, train, log, run = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), sys.argv[3], \\
     sys.argv[4] == "run"
 note = lambda what: open(log, "a").write(what + "\\n")
@@ -274,3 +274,28 @@ def test_a_request_sent_as_the_runs_switch_is_answered_never_lost(pipeline):
         assert f"run {first.id} is set aside" in reply["message"], reply
         assert daemon.current.id in reply["message"] and "nothing was done" in reply["message"]
     assert requests.operator_pause(cfg.paths.state_dir) is None
+
+
+def test_a_plan_finished_between_two_reads_of_one_tick_is_never_an_empty_plan(config_factory,
+                                                                                monkeypatch):
+    """The planner commits each batch with its plan.* keys in one transaction. A tick that read
+    the counts just before the last batch landed and the plan's keys just after saw a finished
+    plan of 0 samples and failed the pipeline: "the plan produced no usable samples", with 4
+    planned (found by the randomized operator's walk). The interleaving is forced here: the
+    planner's batch commits, through its own connection, right after the loop reads the counts."""
+    cfg = load_config(config_factory())
+    daemon = Daemon(cfg)
+    try:
+        read_counts = daemon.ledger.counts
+
+        def counts_then_the_planners_last_batch():
+            counts = read_counts()
+            if not counts.total:
+                plan(cfg, 4)
+            return counts
+        monkeypatch.setattr(daemon.ledger, "counts", counts_then_the_planners_last_batch)
+        decision = stages.derive(daemon.observe())
+        assert decision.stage in (Stage.PLAN, Stage.EXTRACT), decision
+        assert stages.derive(daemon.observe()).stage == Stage.EXTRACT
+    finally:
+        daemon.ledger.close()

@@ -11,7 +11,7 @@ from eagle3d.statemachine.entry import module_argv
 from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.reconcile import prepare_dirs
 from eagle3d.dataset import contract
-from eagle3d.statemachine import entry, layout
+from eagle3d.statemachine import entry, layout, plan_meta
 from eagle3d.statemachine.config_in_force import write_in_force
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_validation import ConfigError, load_config
@@ -19,8 +19,11 @@ from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, PlanFacts, Seen, Stage
 from tests.conftest import smollm_contract, write_conversations
 
-# The plan stage reads the ledger and the contract, nothing the loop counted.
-UNSEEN = Seen(counts=None, fingerprint=None)  # type: ignore[arg-type]
+
+
+def seen(ledger: Ledger) -> Seen:
+    """The plan as the loop reads it for the plan stage, which reads nothing the loop counted."""
+    return Seen(counts=None, fingerprint=None, plan=plan_meta.read(ledger))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bits, who", [(0o020, "group"), (0o002, "everyone")])
@@ -62,10 +65,10 @@ def test_a_ledger_planned_before_data_responses_existed_resumes_with_the_dataset
     with planned_dataset(cfg) as ledger:
         ledger.clear_meta("plan.responses")
         stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
-        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
+        assert stage.observe(seen(ledger)) == PlanFacts(plan_complete=True, blocked=None)
         stage.cfg = cfg._replace(data=cfg.data._replace(responses="target"))
         assert "[data] responses changed since this dataset was planned (was dataset)" in \
-            stage.observe(UNSEEN).blocked
+            stage.observe(seen(ledger)).blocked
 
 
 def test_a_dataset_whose_contract_predates_the_generate_record_goes_on_under_its_config(
@@ -81,7 +84,7 @@ def test_a_dataset_whose_contract_predates_the_generate_record_goes_on_under_its
         old = {k: v for k, v in smollm_contract(cfg).items() if k != "generate"}
         contract.write(cfg.paths.dataset_dir, old)
         stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
-        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
+        assert stage.observe(seen(ledger)) == PlanFacts(plan_complete=True, blocked=None)
     assert contract.differences(old, smollm_contract(cfg)) == []
 
 
@@ -102,11 +105,11 @@ def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
     cfg = load_config(config_factory({"data": data}))
     with planned_dataset(cfg) as ledger:
         stage = PlanStage(cfg, ledger, layout.children_dir(cfg.paths.state_dir))
-        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
+        assert stage.observe(seen(ledger)) == PlanFacts(plan_complete=True, blocked=None)
         edited = load_config(config_factory({"data": data, section: values}))._replace(
             paths=cfg.paths)
         stage.cfg = edited  # a restart (or a reload) with the edit in force
-        facts = stage.observe(UNSEEN)
+        facts = stage.observe(seen(ledger))
         assert not facts.plan_complete
         reason = facts.blocked
         assert named in reason and str(edited.path) in reason
@@ -116,7 +119,7 @@ def test_a_config_that_breaks_the_contract_blocks_the_daemon_before_any_child(
         assert ledger.events_of(("contract_mismatch",))
         # The edit undone, the dataset goes on.
         stage.cfg = cfg
-        assert stage.observe(UNSEEN) == PlanFacts(plan_complete=True, blocked=None)
+        assert stage.observe(seen(ledger)) == PlanFacts(plan_complete=True, blocked=None)
 
 
 def test_other_weights_under_the_same_model_name_block_the_daemon(config_factory, tmp_path):
@@ -125,7 +128,7 @@ def test_other_weights_under_the_same_model_name_block_the_daemon(config_factory
         doc = contract.read(cfg.paths.dataset_dir)
         doc["target_fingerprint"] = "0" * 32  # the model file replaced in place
         contract.write(cfg.paths.dataset_dir, {k: v for k, v in doc.items() if k != "fingerprint"})
-        reason = PlanStage(cfg, ledger, tmp_path).observe(UNSEEN).blocked
+        reason = PlanStage(cfg, ledger, tmp_path).observe(seen(ledger)).blocked
         assert "[target] model's weights (fingerprint) is " in reason
 
 
