@@ -170,7 +170,7 @@ def resume_check(args: argparse.Namespace, workdir: Path) -> str:
     """The verdict, one line: the trainer loses rank 1 after a checkpoint, is restarted and
     resumes from that checkpoint to the last step."""
     import importlib.util
-    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.daemon.stages.train import trainer_argv
     from eagle3d.statemachine.config_validation import load_config
     # Writing the random dataset's capture contract needs tomli_w (the trainer does not).
     missing = [m for m in ("tomli_w", "transformers") if importlib.util.find_spec(m) is None]

@@ -5,7 +5,7 @@ sample in another batch than the one that wrote it).
 Each of N ShareGPT conversations (the demo's target, SmolLM2-135M-Instruct, on CPU) is captured
 inside one right-padded batch of N, and again alone (--group 1) or in batches of --group samples
 with other neighbours and another padded length, and the two dumps are
-compared as the spot check compares them (daemon/verify.py: relative error of each token row,
+compared as the spot check compares them (daemon/dump_checks.py: relative error of each token row,
 the SPOT_QUANTILE row of each captured layer), in bf16 and in fp8 dumps.
 
     .venv/bin/python bench/spot_tolerance.py [--n 16] [--max-tokens 384]
@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from eagle3d.capture.engines.transformers.worker import Capturer, Job
-from eagle3d.daemon import verify
+from eagle3d.daemon import dump_checks
 from eagle3d.dataset import dumpformat, precision
 from eagle3d.dataset.conversations import iter_conversations
 from eagle3d.statemachine.config_schema import FP8
@@ -52,8 +52,8 @@ def errors(stored: Path, fresh: Path) -> float:
     worst = 0.0
     with open(stored, "rb") as fa, open(fresh, "rb") as fb:
         for name in dumpformat.HIDDEN:
-            e = verify._relative_errors(fa.fileno(), a, fb.fileno(), b, name)
-            worst = max(worst, float(np.quantile(e, verify.SPOT_QUANTILE, axis=0,
+            e = dump_checks._relative_errors(fa.fileno(), a, fb.fileno(), b, name)
+            worst = max(worst, float(np.quantile(e, dump_checks.SPOT_QUANTILE, axis=0,
                                                  method="higher").max()))
     return worst
 

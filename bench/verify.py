@@ -19,7 +19,7 @@ from pathlib import Path
 
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset import checksum
-from eagle3d.daemon.verify import Expected, verify_many
+from eagle3d.daemon.dump_checks import Expected, verify_many
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import FINGERPRINT, HIDDEN, timed, write_dumps  # noqa: E402

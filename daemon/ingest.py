@@ -28,8 +28,8 @@ from eagle3d.dataset import contract as capture_contract
 from eagle3d.dataset import dumpformat
 from eagle3d.dataset.dumpformat import DumpError
 from eagle3d.dataset import checksum
+from eagle3d.daemon.dump_checks import Expected, scan
 from eagle3d.daemon.durability import GroupSync
-from eagle3d.daemon.verify import Expected, scan
 from eagle3d.statemachine import layout, safepath
 from eagle3d.statemachine.ledger import Ledger
 

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, NamedTuple, Protocol
 
-from eagle3d.daemon.extract_stage import EngineFactory, ExtractStage
-from eagle3d.daemon.generate_stage import GenerateStage
-from eagle3d.daemon.plan_stage import PlanStage
-from eagle3d.daemon.shard_gate import ShardGate
-from eagle3d.daemon.train_stage import TrainStage
-from eagle3d.daemon.verify_stage import VerifyStage
+from eagle3d.daemon.stages.extract import EngineFactory, ExtractStage
+from eagle3d.daemon.stages.generate import GenerateStage
+from eagle3d.daemon.stages.plan import PlanStage
+from eagle3d.daemon.stages.shard_gate import ShardGate
+from eagle3d.daemon.stages.train import TrainStage
+from eagle3d.daemon.stages.verify import VerifyStage
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Ledger
 from eagle3d.statemachine.stages import Decision, Seen

@@ -39,10 +39,10 @@ from eagle3d.daemon import budgets, control, metrics, pipeline, progress, reques
 from eagle3d.daemon.children import end_orphans
 from eagle3d.daemon.condition import Conditions, StartFailed, describe, start_failure
 from eagle3d.daemon.engine import start_engine
-from eagle3d.daemon.extract_stage import EngineFactory
 from eagle3d.daemon.ingest import remove_dataset_debris
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.snapshot import snapshot
+from eagle3d.daemon.stages.extract import EngineFactory
 from eagle3d.statemachine import (daemon_lock, entry, layout, plan_meta, pointer, runs,
                                   safepath, stages)
 from eagle3d.statemachine.atomic import remove_dead_temps

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eagle3d.daemon import control
-from eagle3d.daemon.verify_stage import forget_failed_spot_check
+from eagle3d.daemon.stages.verify import forget_failed_spot_check
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from eagle3d.statemachine.ledger import Ledger

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from eagle3d.daemon.children import Child, end_orphans
-from eagle3d.daemon.train_stage import trainer_argv
+from eagle3d.daemon.stages.train import trainer_argv
 from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config_in_force import load_in_force
 from eagle3d.statemachine.config_validation import ConfigError

@@ -5,7 +5,7 @@ torchrun's agent and its TCPStore listen on every interface whatever its flags (
 on a shared server any local user could reach them. Here the ranks meet in a FileStore of a
 folder of mode 0700 in the train folder, and gloo and NCCL open their own sockets on the
 loopback interface only: nothing listens beyond loopback. Several nodes keep torchrun
-(daemon/train_stage.py trainer_argv): they must listen.
+(daemon/stages/train.py trainer_argv): they must listen.
 
 As torchrun's agent does for us: a rank that fails or dies stops the others (SIGTERM, SIGKILL
 after [train] stop_grace_s) and its exit code is the launcher's, so the trainer's codes (2, 3, 4:

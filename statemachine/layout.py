@@ -54,7 +54,7 @@ def control_dir(state_dir: Path) -> Path:
 
 
 def spot_check_dir(state_dir: Path) -> Path:
-    """Fresh dumps of the numerical spot check (daemon/verify_stage.py)."""
+    """Fresh dumps of the numerical spot check (daemon/stages/verify.py)."""
     return Path(state_dir) / "spotcheck"
 
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from eagle3d.daemon import train_stage
-from eagle3d.daemon.train_stage import TrainStage
+from eagle3d.daemon.stages import train
+from eagle3d.daemon.stages.train import TrainStage
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger
@@ -82,29 +82,29 @@ def test_a_stopped_trainer_is_shown_silent_then_restarted(config_factory, monkey
     cfg = load_config(config_factory({"train": {"silence_s": 3, "max_restarts": 2,
                                                  "stop_grace_s": 2}}))
     cfg.paths.state_dir.mkdir(parents=True)
-    monkeypatch.setattr(train_stage, "trainer_argv",
+    monkeypatch.setattr(train, "trainer_argv",
                         lambda cfg, path: [sys.executable, "-c", TRAINER, str(cfg.paths.train_dir)])
-    train = Decision(Stage.TRAIN, "test", Stage.TRAIN)
+    training = Decision(Stage.TRAIN, "test", Stage.TRAIN)
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         stage = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: "f" * 32)
         try:
-            stage.step(train)
+            stage.step(training)
             first = stage.child.pid
-            wait_for(lambda: stage.step(train) or stage.status().get("step", 0) >= 3, 60,
+            wait_for(lambda: stage.step(training) or stage.status().get("step", 0) >= 3, 60,
                      "the trainer's first steps")
             os.kill(first, signal.SIGSTOP)
-            st = wait_for(lambda: stage.step(train) or stage.status().get("silent"), 30,
+            st = wait_for(lambda: stage.step(training) or stage.status().get("silent"), 30,
                           "the trainer shown silent", poll=0.2)
             assert st["child"] == "trainer" and st["bound_s"] == 3
             assert stage.status()["status"] == "training"
-            wait_for(lambda: stage.step(train) or stage.child is None, 30, "the trainer stopped",
+            wait_for(lambda: stage.step(training) or stage.child is None, 30, "the trainer stopped",
                      poll=0.2)
             assert stage.supervisor.restarts == 1 and stage.failure is None
             said = [r.getMessage() for r in caplog.records
                     if r.getMessage().startswith("restarting the trainer")]
             assert len(said) == 1 and 0 <= float(said[0].split(" in ")[-1].split()[0]) <= 2, said
             stage.supervisor.retry_at = 0  # the backoff, elapsed
-            wait_for(lambda: stage.step(train) or stage.child is not None, 60,
+            wait_for(lambda: stage.step(training) or stage.child is not None, 60,
                      "a new trainer", poll=0.2)
             assert stage.child.pid != first and stage.status()["status"] == "training"
             assert [kind for _, kind, _ in ledger.events_of(("train_silent",))] == ["train_silent"]

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from eagle3d.daemon.train_stage import TrainStage
+from eagle3d.daemon.stages.train import TrainStage
 from eagle3d.drafter.reporting import Reporter, StepFigures
 from eagle3d.statemachine import layout, train_files
 from eagle3d.statemachine.config_validation import load_config

@@ -24,7 +24,7 @@ SMALL = {"draft_vocab": 2048, "ttt_steps": 2, "epochs": 1.0, "batch_tokens": 102
 
 def train_cmd(config: Path) -> list[str]:
     """The trainer's command as the daemon gives it for `config` ([train] nproc processes)."""
-    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.daemon.stages.train import trainer_argv
     from eagle3d.statemachine.config_validation import load_config
     return trainer_argv(load_config(config), config)
 
@@ -356,7 +356,7 @@ def test_two_nodes_train_as_one_job_and_resume_after_losing_a_node(tmp_path, dat
     daemon restarts it, train-node rejoins by itself, and the job resumes from the checkpoint.
     Only node 0 writes: node 1's train folder stays empty."""
     import torch
-    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.daemon.stages.train import trainer_argv
     from eagle3d.statemachine.config_validation import load_config
     steps = 5
     settings = {**SMALL, "batch_tokens": 512, "max_steps": steps, "checkpoint_every": 2}
@@ -433,7 +433,7 @@ def train_two_nodes(tmp_path: Path, data_root: Path, node1_data: Path,
                     node1_model: str = MODEL) -> list[str]:
     """Node 0 and node 1 of one training (2 steps), node 1 with its own dataset copy and
     target; both must fail. Returns their logs."""
-    from eagle3d.daemon.train_stage import trainer_argv
+    from eagle3d.daemon.stages.train import trainer_argv
     from eagle3d.statemachine.config_validation import load_config
     port = free_port()
     settings = {**SMALL, "max_steps": 2}

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from eagle3d.dataset import contract, dumpformat
-from eagle3d.daemon.extract_stage import ExtractStage
 from eagle3d.daemon.reconcile import Daemon
+from eagle3d.daemon.stages.extract import ExtractStage
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_validation import load_config

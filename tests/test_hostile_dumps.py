@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 import pytest
 
-from eagle3d.daemon.verify import Expected, scan
+from eagle3d.daemon.dump_checks import Expected, scan
 from eagle3d.dataset import dumpformat
 from tests.test_ingest import CONTRACT, H, env, reason_of, write  # noqa: F401 (a fixture)
 

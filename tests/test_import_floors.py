@@ -55,3 +55,32 @@ def test_the_daemons_modules_import_no_model_library():
              for package in ("daemon", "ctl") for path in sorted((REPO / package).rglob("*.py"))
              for line, module in imports(path) if module.split(".")[0] in HEAVY or module in HEAVY]
     assert not wrong, "\n".join(wrong)
+
+
+# Inside the daemon, the loop drives the stages (daemon/stages/): a stage never imports the loop
+# that steps it, nor another stage; beside a stage lie only the mechanics named after it
+# (extract_spool.py for extract.py).
+LOOP = {"eagle3d.daemon.main", "eagle3d.daemon.reconcile", "eagle3d.daemon.pipeline",
+        "eagle3d.daemon.snapshot"}
+STAGES = "eagle3d.daemon.stages"
+
+
+def stage_imports(path: Path) -> list[tuple[int, str]]:
+    """`imports`, with `from eagle3d.daemon.stages import x` read as the module it names."""
+    found = imports(path)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module == STAGES:
+            found += [(node.lineno, f"{STAGES}.{alias.name}") for alias in node.names]
+    return found
+
+
+def test_a_stage_imports_neither_the_loop_nor_another_stage():
+    wrong = []
+    for path in sorted((REPO / "daemon" / "stages").glob("*.py")):
+        own = path.stem.split("_")[0]
+        for line, module in stage_imports(path):
+            other = module.removeprefix(f"{STAGES}.")
+            if module in LOOP or (other != module and other.split("_")[0] != own):
+                wrong.append(f"{path.relative_to(REPO)}:{line} imports {module}")
+    assert not wrong, "a stage reaching up to the loop or across to another stage:\n" + \
+        "\n".join(wrong)

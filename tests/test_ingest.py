@@ -16,7 +16,7 @@ import torch
 from eagle3d.dataset import dumpformat, precision
 from eagle3d.dataset import checksum
 from eagle3d.daemon.ingest import Ingestor, remove_dataset_debris
-from eagle3d.daemon.spool import Spool
+from eagle3d.daemon.stages.extract_spool import Spool
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from eagle3d.statemachine.safepath import HeldDir

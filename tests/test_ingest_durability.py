@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from eagle3d.dataset import dumpformat
-from eagle3d.daemon import verify_stage
 from eagle3d.daemon.durability import GroupSync, SyncFs, doubt_settled, page_cache_doubt
 from eagle3d.daemon.ingest import Ingestor
-from eagle3d.daemon.verify_stage import VerifyRunner
+from eagle3d.daemon.stages import verify
+from eagle3d.daemon.stages.verify import VerifyRunner
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
 from eagle3d.statemachine.safepath import HeldDir
@@ -123,7 +123,7 @@ def test_a_group_sync_puts_what_ingest_wrote_on_disk(tmp_path, spool, every_byte
 @pytest.mark.parametrize("backing_mb,verified", [(256, 4), (24, 0)], ids=["healthy", "thin"])
 def test_verify_marks_verified_only_what_reached_the_disk(tmp_path, spool, monkeypatch, caplog,
                                                           backing_mb, verified):
-    monkeypatch.setattr(verify_stage, "SYNC_RETRY_S", 0.0)
+    monkeypatch.setattr(verify, "SYNC_RETRY_S", 0.0)
     mount = mount_ext4(tmp_path, backing_mb)
     try:
         cfg = load_config(make_config(tmp_path, {"paths": {"dataset_dir": str(mount / "dataset"),
@@ -177,7 +177,7 @@ def test_a_failed_group_sync_during_ingest_is_reported_and_ingest_goes_on(tmp_pa
 def test_after_a_lost_write_back_verify_reads_the_disk_not_the_page_cache(tmp_path, spool,
                                                                          monkeypatch, caplog,
                                                                          reason):
-    monkeypatch.setattr(verify_stage, "SYNC_RETRY_S", 0.0)
+    monkeypatch.setattr(verify, "SYNC_RETRY_S", 0.0)
     mount = mount_ext4(tmp_path, 20)  # two dumps and half of a third
     try:
         cfg = load_config(make_config(tmp_path, {"paths": {"dataset_dir": str(mount / "dataset"),

@@ -256,7 +256,7 @@ def test_a_spool_another_user_replaced_before_its_first_use_is_never_opened(
     """Between the start's checks and the spool's first use (the plan, minutes) the spool goes
     and another user's link takes its name: extraction stops, naming it, and the folder the
     link names is never listed, written or deleted in."""
-    from eagle3d.daemon.extract_stage import ExtractStage
+    from eagle3d.daemon.stages.extract import ExtractStage
     from eagle3d.statemachine.atomic import HOST
     from eagle3d.statemachine.stages import Seen
     from tests.test_extract_stage import EXTRACT, plan

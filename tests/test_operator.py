@@ -222,7 +222,7 @@ def test_skipped_reasons_group_the_token_counts(tmp_path):
 def test_a_spool_cap_below_one_batch_pauses_extraction_with_its_key(config_factory):
     """`spool_max = "1KiB"` used to do nothing: the spool is nearly always empty when dispatch
     looks (ingest drains it within a tick). A cap no batch fits in pauses, naming the keys."""
-    from eagle3d.daemon.extract_stage import ExtractStage
+    from eagle3d.daemon.stages.extract import ExtractStage
     cfg = load_config(config_factory({"budget": {"spool_max": "1KiB"}}))
     for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):
         folder.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from eagle3d.daemon.train_stage import TrainStage
+from eagle3d.daemon.stages.train import TrainStage
 from eagle3d.dataset import contract as contract_mod
 from eagle3d.dataset import dumpformat, readrate
 from eagle3d.statemachine import layout
@@ -70,19 +70,19 @@ def test_check_config_warns_that_a_thousand_gpus_would_wait_for_the_disk(config_
 
 def test_the_train_stage_warns_once_at_its_start_and_trains_anyway(config_factory, caplog,
                                                                    monkeypatch):
-    from eagle3d.daemon import train_stage
-    monkeypatch.setattr(train_stage, "trainer_argv",
+    from eagle3d.daemon.stages import train
+    monkeypatch.setattr(train, "trainer_argv",
                         lambda cfg, path: [sys.executable, "-c", "pass"])
     cfg = load_config(config_factory({"train": {"nproc": 1000}}))
     cfg.paths.state_dir.mkdir(parents=True)
     dataset(cfg.paths.dataset_dir)
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         stage = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: "f" * 32)
-        train = Decision(Stage.TRAIN, "test", Stage.TRAIN)
-        stage.step(train)
+        training = Decision(Stage.TRAIN, "test", Stage.TRAIN)
+        stage.step(training)
         assert stage.child is not None  # a warning, not a refusal
         stage.stop(time.monotonic() + 10)
-        stage.step(train)
+        stage.step(training)
         stage.stop(time.monotonic() + 10)
         warned = [r.getMessage() for r in caplog.records if "dataset's disk" in r.getMessage()]
         assert len(warned) == 1, warned

@@ -11,11 +11,10 @@ from typing import Any, Callable
 
 import pytest
 
-from eagle3d.daemon import generate_stage, plan_stage, train_stage
-from eagle3d.daemon.extract_stage import ExtractStage
-from eagle3d.daemon.generate_stage import GenerateStage
-from eagle3d.daemon.plan_stage import PlanStage
-from eagle3d.daemon.train_stage import TrainStage
+from eagle3d.daemon.stages.extract import ExtractStage
+from eagle3d.daemon.stages.generate import GenerateStage
+from eagle3d.daemon.stages.plan import PlanStage
+from eagle3d.daemon.stages.train import TrainStage
 from eagle3d.statemachine import entry, layout
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_validation import load_config
@@ -52,27 +51,26 @@ class Case:
                  "the child's exit")
 
 
-def child_case(monkeypatch, module: Any, argv_name: str, stage: Any, stage_of: Stage,
-               limit_key: str) -> Case:
+def child_case(monkeypatch, argv_path: str, stage: Any, stage_of: Stage, limit_key: str) -> Case:
     def exit_next(code: int) -> None:
-        monkeypatch.setattr(module, argv_name, lambda *args: exits_with(code))
+        monkeypatch.setattr(argv_path, lambda *args: exits_with(code))
     return Case(stage, stage_of, limit_key, exit_next, lambda: stage.child)
 
 
 def planner(cfg: Config, ledger: Ledger, monkeypatch) -> Case:
-    return child_case(monkeypatch, plan_stage, "planner_argv",
+    return child_case(monkeypatch, "eagle3d.daemon.stages.plan.planner_argv",
                       PlanStage(cfg, ledger, cfg.paths.state_dir), Stage.PLAN,
                       "[data] planner_max_restarts")
 
 
 def generator(cfg: Config, ledger: Ledger, monkeypatch) -> Case:
-    return child_case(monkeypatch, generate_stage, "generator_argv",
+    return child_case(monkeypatch, "eagle3d.daemon.stages.generate.generator_argv",
                       GenerateStage(cfg, ledger, cfg.paths.state_dir), Stage.GENERATE,
                       "[generate] max_restarts")
 
 
 def trainer(cfg: Config, ledger: Ledger, monkeypatch) -> Case:
-    return child_case(monkeypatch, train_stage, "trainer_argv",
+    return child_case(monkeypatch, "eagle3d.daemon.stages.train.trainer_argv",
                       TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: "f" * 32),
                       Stage.TRAIN, "[train] max_restarts")
 

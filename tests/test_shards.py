@@ -290,7 +290,7 @@ def test_the_training_nodes_status_exits_8_for_a_shard_never_heard_from(tmp_path
 
 
 def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_path):
-    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.daemon.stages.shard_gate import ShardGate
     from eagle3d.dataset import contract
     from eagle3d.statemachine.ledger import Counts
     from eagle3d.statemachine.stages import Seen, ShardFacts
@@ -318,7 +318,7 @@ def test_the_training_nodes_gate_refuses_a_shard_of_another_model_by_name(tmp_pa
 def test_the_training_nodes_gate_fails_where_every_share_is_empty(tmp_path):
     """An empty share joins (its manifest lists nothing); the union of empty shares is nothing to
     train on, and the training node says so."""
-    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.daemon.stages.shard_gate import ShardGate
     from eagle3d.dataset import contract
     from eagle3d.statemachine.ledger import Counts
     from eagle3d.statemachine.stages import Seen, ShardFacts
@@ -338,7 +338,7 @@ def test_the_training_nodes_gate_fails_where_every_share_is_empty(tmp_path):
 def test_the_training_nodes_gate_refuses_a_shard_of_another_answers_count_naming_it(tmp_path):
     """[generate] answers is part of the contract: a shard whose target wrote two answers per
     conversation cannot join a training node's dataset of one, and the refusal names the key."""
-    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.daemon.stages.shard_gate import ShardGate
     from eagle3d.dataset import contract
     from eagle3d.statemachine.ledger import Counts
     from eagle3d.statemachine.stages import Seen
@@ -363,7 +363,7 @@ def test_the_gate_reads_only_what_a_shard_republished_and_sees_it_at_the_next_ti
     published again (here of the same size and mtime, as a quick rewrite can be) at once."""
     import os
 
-    from eagle3d.daemon.shard_gate import ShardGate
+    from eagle3d.daemon.stages.shard_gate import ShardGate
     from eagle3d.dataset import contract
     from eagle3d.statemachine.ledger import Counts
     from eagle3d.statemachine.stages import Seen, ShardFacts

@@ -14,9 +14,10 @@ from typing import Any
 
 import pytest
 
-from eagle3d.daemon import control, train_stage
+from eagle3d.daemon import control
 from eagle3d.daemon.notify import Notifier
 from eagle3d.daemon.reconcile import Daemon
+from eagle3d.daemon.stages import train
 from eagle3d.statemachine import layout, manifest, stages, train_files
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_validation import load_config
@@ -94,10 +95,10 @@ def pipeline(config_factory, tmp_path, monkeypatch):
     go = tmp_path / "go"
 
     def children(trainer_runs: bool, checkpoint_s: float = 1.0) -> None:
-        monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: [
+        monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: [
             sys.executable, "-c", TRAINER, str(cfg.paths.dataset_dir), str(cfg.paths.train_dir),
             str(log), "run" if trainer_runs else "exit", str(checkpoint_s)])
-        monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: [
+        monkeypatch.setattr(train, "eval_argv", lambda cfg: [
             sys.executable, "-c", EVALUATE, str(cfg.paths.train_dir), str(log), str(go)])
     daemon = Daemon(cfg, engine_factory=factory)
     daemon.recover()

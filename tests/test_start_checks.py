@@ -8,8 +8,8 @@ import subprocess
 import pytest
 
 from eagle3d.statemachine.entry import module_argv
-from eagle3d.daemon.plan_stage import PlanStage
 from eagle3d.daemon.reconcile import prepare_dirs
+from eagle3d.daemon.stages.plan import PlanStage
 from eagle3d.dataset import contract
 from eagle3d.statemachine import entry, layout, plan_meta
 from eagle3d.statemachine.config_in_force import write_in_force

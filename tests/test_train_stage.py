@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3d.daemon import train_stage
-from eagle3d.daemon.train_stage import TrainStage
+from eagle3d.daemon.stages import train
+from eagle3d.daemon.stages.train import TrainStage
 from eagle3d.statemachine import entry, layout, train_files
 from eagle3d.statemachine import manifest as manifest_mod
 from eagle3d.statemachine.config_in_force import write_in_force
@@ -47,7 +47,7 @@ def step_until_idle(stage: TrainStage, seconds: float = 30) -> None:
 
 def test_a_trainer_that_keeps_failing_is_restarted_then_fails_the_stage(stage):
     stage, cfg, monkeypatch = stage
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: exits_with(1))
     step_until_idle(stage)
     assert stage.supervisor.restarts == 1 and stage.failure is None and \
         stage.supervisor.retry_at > time.monotonic()
@@ -74,7 +74,7 @@ def test_a_done_marker_written_before_eval_settings_were_recorded_stands_for_any
 
 def test_a_target_that_is_not_the_datasets_fails_at_once(stage):
     stage, cfg, monkeypatch = stage
-    monkeypatch.setattr(train_stage, "trainer_argv",
+    monkeypatch.setattr(train, "trainer_argv",
                         lambda cfg, path: exits_with(entry.CONTRACT_MISMATCH))
     step_until_idle(stage)
     assert stage.supervisor.restarts == 1 and "not the dataset's model" in stage.failure
@@ -83,7 +83,7 @@ def test_a_target_that_is_not_the_datasets_fails_at_once(stage):
 def test_a_refusing_evaluation_fails_at_once_not_after_max_restarts(stage):
     stage, cfg, monkeypatch = stage
     monkeypatch.setattr(train_files, "trained_for", lambda folder, fingerprint: True)
-    monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.REFUSED))
+    monkeypatch.setattr(train, "eval_argv", lambda cfg: exits_with(entry.REFUSED))
     step_until_idle(stage)
     assert stage.supervisor.restarts == 1 and stage.supervisor.retry_at == 0
     assert stage.failure == "evaluate exited with code 2; see the log"
@@ -94,7 +94,7 @@ def test_a_refusal_left_by_an_earlier_trainer_does_not_count(stage):
     stage, cfg, monkeypatch = stage
     train_files.write_refusal(cfg.paths.train_dir, train_files.Refused(
         entry.CONTRACT_MISMATCH, "an earlier trainer's target"))
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: exits_with(1))
     step_until_idle(stage)
     assert stage.failure is None and stage.supervisor.retry_at > time.monotonic()
 
@@ -122,14 +122,14 @@ def test_a_changed_dataset_file_sends_its_sample_back_to_verify_without_a_restar
     stage.ledger.mark_verified(stage.ledger.sample(sid), "100:1:1")
     cfg.paths.dataset_dir.mkdir(parents=True)
     manifest_mod.write(cfg.paths.dataset_dir, manifest_mod.build(stage.ledger, {}))
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: refuses_changed(cfg, [sid]))
+    monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: refuses_changed(cfg, [sid]))
     step_until_idle(stage)
     assert stage.ledger.sample(sid).status == "extracted"
     assert manifest_mod.read(cfg.paths.dataset_dir) is None
     assert stage.failure is None and stage.supervisor.restarts == 0 and stage.supervisor.may_start
     assert [(kind, s) for _, kind, s, _ in stage.ledger.recent_events(1)] == [("unverified", sid)]
 
-    monkeypatch.setattr(train_stage, "trainer_argv",
+    monkeypatch.setattr(train, "trainer_argv",
                         lambda cfg, path: refuses_changed(cfg, ["b" * 32]))
     step_until_idle(stage)
     assert "a file changed" in stage.failure and stage.status()["status"] == "failed"
@@ -177,7 +177,7 @@ def test_a_finished_training_is_evaluated_and_marked_done(stage):
     report = {"acceptance_length": 1.7, "identical_to_greedy": False}
     write = (f"from eagle3d.statemachine.train_files import write_eval\n"
              f"write_eval({str(layout.eval_file(train_dir))!r}, {report!r})")
-    monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.DIVERGED, write))
+    monkeypatch.setattr(train, "eval_argv", lambda cfg: exits_with(entry.DIVERGED, write))
     step_until_idle(stage)
     assert stage.observe(Seen(None, FINGERPRINT)).train_done
     assert stage.status()["acceptance_length"] == 1.7
@@ -188,16 +188,16 @@ def test_a_finished_training_is_evaluated_and_marked_done(stage):
 def test_the_trainer_command_of_one_node_and_of_several(config_factory):
     alone = load_config(config_factory({"train": {"nproc": 1}}, "alone.toml"))
     # One process trains without torchrun, whose agent would listen on every interface.
-    assert train_stage.trainer_argv(alone, alone.path)[1:] == [
+    assert train.trainer_argv(alone, alone.path)[1:] == [
         "-m", "eagle3d.drafter.train", "-c", str(alone.path)]
     # Several processes of one node are started by our launcher, which listens nowhere either.
     one = load_config(config_factory({"train": {"nproc": 8}}))
-    argv = train_stage.trainer_argv(one, layout.config_in_force(one.paths.state_dir))
+    argv = train.trainer_argv(one, layout.config_in_force(one.paths.state_dir))
     assert argv[1:] == ["-m", "eagle3d.drafter.launch", "-c",
                         str(one.paths.state_dir / "config.toml")]
     node = load_config(config_factory({"train": {"nproc": 8, "nnodes": 4, "node_rank": 3,
                                                  "rendezvous": "[fd00::1]:29400"}}, "n3.toml"))
-    argv = train_stage.trainer_argv(node, node.path)
+    argv = train.trainer_argv(node, node.path)
     # Static rendezvous: node k's processes are ranks 8k .. 8k+7, so rank 0 is on node 0.
     assert argv[1:8] == ["-m", "torch.distributed.run", "--nnodes=4", "--node_rank=3", "--rdzv_backend=static",
                          "--rdzv_endpoint=[fd00::1]:29400", "--nproc_per_node=8"]
@@ -224,7 +224,7 @@ def test_a_multi_node_failure_points_at_the_other_nodes(config_factory, monkeypa
     cfg.paths.state_dir.mkdir(parents=True)
     ledger = Ledger(layout.ledger(cfg.paths.state_dir))
     stage = TrainStage(cfg, ledger, cfg.paths.state_dir, lambda: FINGERPRINT)
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: exits_with(1))
     try:
         step_until_idle(stage)
         assert "is `eagle3d train-node` running on every other node?" in stage.failure
@@ -253,8 +253,8 @@ def test_an_evaluation_that_ends_after_the_manifest_changed_is_not_done(stage):
     write = (f"from eagle3d.statemachine.train_files import write_eval\n"
              f"write_eval({str(layout.eval_file(train_dir))!r}, "
              "{'acceptance_length': 1.5, 'identical_to_greedy': True})")
-    monkeypatch.setattr(train_stage, "eval_argv", lambda cfg: exits_with(entry.OK, write))
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(1))
+    monkeypatch.setattr(train, "eval_argv", lambda cfg: exits_with(entry.OK, write))
+    monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: exits_with(1))
     stage.step(TRAIN)
     assert stage.child is not None and stage.child.name == "evaluate"
     current[0] = "e" * 32  # an exclude rewrote the manifest
@@ -282,8 +282,8 @@ def test_a_tick_hashes_no_settings_and_lists_no_versions_folder(stage):
     assert calls == ["versions"]
     stage.reconfigure(cfg)
     assert calls == ["versions", "train_key", "eval_key"]
-    stage.ledger.set_meta(train_stage.HELD_KEY, "0" * 8)  # a drafter of other settings
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(0))
+    stage.ledger.set_meta(train.HELD_KEY, "0" * 8)  # a drafter of other settings
+    monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: exits_with(0))
     step_until_idle(stage)  # sets that drafter aside
     assert [v["key"] for v in stage.status()["versions"]] == ["0" * 8]
 
@@ -308,7 +308,7 @@ def test_status_says_why_training_started_over_from_step_0_while_it_trains(stage
               f"p.started_over = {why!r}\np.write(train_files.TRAINING, step=2, loss=1.0)\n"
               f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
               f"p.write(train_files.DONE, step=9, loss=1.0)")
-    monkeypatch.setattr(train_stage, "trainer_argv", lambda cfg, path: exits_with(0, trains))
+    monkeypatch.setattr(train, "trainer_argv", lambda cfg, path: exits_with(0, trains))
     view = next(v for v in stage_views.VIEWS if v.key == stage.state_key)
     stage.step(TRAIN)
     trainer = wait_for(lambda: (t := published(stage, cfg.paths.state_dir)).get("started_over")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from eagle3d.dataset import checksum, dumpformat, precision
-from eagle3d.daemon import verify
-from eagle3d.daemon.verify import Expected, check_file, compare_dumps, verify_many
+from eagle3d.daemon import dump_checks
+from eagle3d.daemon.dump_checks import Expected, check_file, compare_dumps, verify_many
 from eagle3d.statemachine import manifest
 
 CONTRACT = "c0" * 16
@@ -170,7 +170,7 @@ def test_nonfinite_value_is_found_at_its_token(tmp_path: Path, dtype: str, bad: 
 def test_nonfinite_value_found_in_a_later_chunk(tmp_path: Path,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunk boundaries fall inside the tensors; the token index still comes out right."""
-    monkeypatch.setattr(verify, "CHUNK", 1024)
+    monkeypatch.setattr(dump_checks, "CHUNK", 1024)
     tokens, hidden = 64, 32  # last_hidden_state: 4 KiB of bf16, four chunks
     last = np.random.default_rng(2).standard_normal((tokens, hidden))
     last[50, 31] = -np.inf

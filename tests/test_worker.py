@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from eagle3d.dataset import contract, dumpformat
-from eagle3d.daemon.verify import Expected, check_file, compare_dumps
+from eagle3d.daemon.dump_checks import Expected, check_file, compare_dumps
 from eagle3d.drafter import reader
 from eagle3d.drafter.data import Planned
 from eagle3d.target import loading

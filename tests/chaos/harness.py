@@ -14,7 +14,7 @@ from typing import Any, Callable
 import psutil
 
 from eagle3d.dataset import contract as capture_contract
-from eagle3d.daemon.verify import Expected, verify_many
+from eagle3d.daemon.dump_checks import Expected, verify_many
 from eagle3d.statemachine import layout, manifest
 from eagle3d.statemachine.config_in_force import load_in_force
 from eagle3d.statemachine.config_schema import Config

@@ -25,7 +25,7 @@ from eagle3d.daemon.children import Silence, Supervisor, remaining, stage_failed
 from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
-from eagle3d.daemon.spool import Spool
+from eagle3d.daemon.stages.extract_spool import Spool
 from eagle3d.statemachine import layout, plan_meta, safepath
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Counts, Ledger

@@ -1,4 +1,5 @@
-"""The verify checks: every dataset file is re-read and compared with what the ledger planned.
+"""The checks of a dump file against what the ledger planned: the verify stage re-reads every
+dataset file through them, and ingest runs the same scan on each dump as it copies it.
 
 One pass over each file, in large chunks read into a reused buffer: each chunk feeds the
 checksum and, inside the float tensors, a finiteness test on the raw bits (an exponent of all

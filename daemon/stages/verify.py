@@ -55,7 +55,7 @@ class VerifyRunner:
         self.thread.start()
 
     def _run(self) -> None:
-        from eagle3d.daemon.verify import Expected, verify_many  # numpy: only when verifying
+        from eagle3d.daemon.dump_checks import Expected, verify_many  # numpy: only when verifying
         ledger = Ledger(self.ledger_path)
         try:
             # Weighed before the listing: a reason recorded later is weighed again next pass.
@@ -177,7 +177,7 @@ class SpotCheck:
             if time.monotonic() > self.deadline:
                 self._record(False, "the engine did not re-extract the spot-check samples in time")
             return
-        from eagle3d.daemon.verify import compare_dumps
+        from eagle3d.daemon.dump_checks import compare_dumps
         problems = []
         for s, path in zip(self.chosen, fresh):
             problem = compare_dumps(self.cfg.paths.dataset_dir / s.path, path,
