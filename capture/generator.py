@@ -235,7 +235,7 @@ def _run(cfg: Config, args: argparse.Namespace) -> int:
     writer = Writer(decode, tokenizer, eos, cfg.generate, cfg.data.max_tokens)
     write = _write_streaming if spec.streaming else _write_in_batches
     settings = {**cfg.generate._asdict(), "model": cfg.target.model,
-                "target_fingerprint": fingerprint, "engine": cfg.target.engine}
+                "target_fingerprint": fingerprint, "engine": spec.name}
     started, done, last_report = time.monotonic(), 0, 0.0
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
         for sample, written in write(writer, ledger, cfg):

@@ -34,6 +34,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from eagle3d.capture import engines
 from eagle3d.dataset import contract, dumpformat
 from eagle3d.target import identity, loading
 from eagle3d.dataset.conversations import Conversation, iter_conversations
@@ -111,7 +112,7 @@ def build_contract(cfg: Config, tokenizer: Any, model_config: Any) -> dict[str, 
         "num_layers": num_layers,
         "vocab_size": text_config.vocab_size,
         "architecture": architecture(model_config),
-        "engine": cfg.target.engine,
+        "engine": engines.get(cfg.target.engine).name,
         **contract.generate_record(cfg),
         # Not binding: every shard of one dataset has the same contract fingerprint.
         **({"shard": {"index": cfg.shard.index, "count": cfg.shard.count}}

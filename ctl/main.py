@@ -36,12 +36,13 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from eagle3d.capture import engines
 from eagle3d.ctl import stage_views
 from eagle3d.daemon.completion import add_completion_option
 from eagle3d.daemon.progress import human_s
 from eagle3d.statemachine import layout, ledger as ledger_file, pointer
 from eagle3d.statemachine.config_in_force import load_in_force
-from eagle3d.statemachine.config_schema import DERIVED, Config, human_bytes
+from eagle3d.statemachine.config_schema import Config, human_bytes, tables
 from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.ledger import STATUSES, Ledger, LedgerError
 from eagle3d.statemachine.stages import gate
@@ -339,9 +340,9 @@ def results_summary(config_path: str) -> str:
 def changed_keys(old: Config, new: Config) -> list[str]:
     """`[section] key` of every setting that differs, for the operator to read (which of them a
     reload takes is reload_policy.reload_verdict's to say)."""
-    return [f"[{section}] {key}" for section in Config._fields[1:]
-            for key, value in getattr(new, section)._asdict().items()
-            if key not in DERIVED and getattr(getattr(old, section), key) != value]
+    before = tables(old)
+    return [f"[{section}] {key}" for section, keys in tables(new).items()
+            for key, value in keys.items() if before.get(section, {}).get(key) != value]
 
 
 def what_a_reload_does(new: Config) -> tuple[int, str]:
@@ -421,16 +422,14 @@ def load_for_command(path: str, command: str) -> Config:
     """check-config: the operator's file; runs and forget: its folders, under which the runs
     live. Everything else is about what is in force: the running daemon's config in force (its
     current run's), found by the file's path whatever its [paths] say now (an edit refused until
-    a restart must not hide the daemon), else the one its state folder's registry names."""
+    a restart must not hide the daemon), else the one its state folder's registry names. Each
+    as the engines read it (engines.checked), as the daemon loads it."""
     if command in ("check-config", "runs", "forget"):
         cfg = load_config(path)
     else:
         running = pointer.read(Path(path))
         cfg = load_config(running["in_force"]) if running else load_in_force(path)
-    if command in ("check-config", "engine-command"):  # those that ask the engine's registry
-        from eagle3d.capture import engines  # not on status's path
-        engines.checked(cfg)
-    return cfg
+    return engines.checked(cfg)
 
 
 # ---- commands -------------------------------------------------------------------------------
@@ -525,7 +524,6 @@ def cmd_export(cfg: Config, args: argparse.Namespace) -> int:
 def cmd_engine_command(cfg: Config, args: argparse.Namespace) -> int:
     """The command of each process that runs the target: where the target writes the answers,
     the generate stage's first, each under a comment naming it."""
-    from eagle3d.capture import engines
     spec = engines.get(cfg.target.engine)
     try:
         commands = [spec.generate_command(cfg)] if cfg.data.responses == "target" else []

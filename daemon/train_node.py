@@ -17,6 +17,7 @@ import signal
 import time
 from typing import Any
 
+from eagle3d.capture import engines
 from eagle3d.daemon.children import Child, end_orphans
 from eagle3d.daemon.stages.train import trainer_argv
 from eagle3d.statemachine import entry, layout
@@ -46,7 +47,7 @@ class _Stop:
 
 def run(config_path: str) -> int:
     try:
-        cfg = load_in_force(config_path)
+        cfg = engines.checked(load_in_force(config_path))
     except ConfigError as exc:
         log.error("%s", exc)
         return entry.REFUSED

@@ -10,7 +10,7 @@ from typing import Any
 
 from eagle3d.statemachine import digests, layout, shards
 from eagle3d.statemachine.atomic import atomic_write_bytes
-from eagle3d.statemachine.config_schema import Config, as_written, keys_of, section_classes
+from eagle3d.statemachine.config_schema import Config, tables
 from eagle3d.statemachine.config_validation import ConfigError, load_config
 
 # A daemon's child gets the config in force's digest with this option (entry.child_main).
@@ -20,9 +20,7 @@ IN_FORCE_OPTION = "--in-force"
 def to_toml(cfg: Config) -> str:
     """The config as a TOML document that loads back to the same Config from any folder."""
     import tomli_w  # only the daemon writes it; eagle3ctl must start in a blink
-    doc: dict[str, Any] = {}
-    for section, cls in section_classes().items():
-        doc[section] = {k: as_written(getattr(getattr(cfg, section), k)) for k in keys_of(cls)}
+    doc: dict[str, Any] = {name: dict(keys) for name, keys in tables(cfg).items()}
     if cfg.data.shards > 1:  # the configured roots and the index in force, wherever it came from
         doc["data"]["shard_from_env"] = ""
         doc["paths"].update({k: str(shards.root_of(getattr(cfg.paths, k)))

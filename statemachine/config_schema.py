@@ -15,7 +15,8 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Callable, NamedTuple, get_origin
+from types import MappingProxyType
+from typing import Annotated, Any, Callable, Mapping, NamedTuple, get_origin
 
 from eagle3d.statemachine import shards
 
@@ -91,8 +92,10 @@ def resolve_location(value: str, base: Path) -> Path:
 
 
 # ---- how one value is read ----------------------------------------------------------------
+# typed, STR, SECONDS and str_list are public: an engine's settings (capture/engines/*/
+# settings.py) declare their keys in the same vocabulary.
 
-def _typed(kind: type, *, minimum: float | None = None, maximum: float | None = None,
+def typed(kind: type, *, minimum: float | None = None, maximum: float | None = None,
            choices: tuple | None = None) -> Callable[[Any], Any]:
     if kind is int and maximum is None:
         maximum = INT64_MAX
@@ -128,7 +131,7 @@ def _aux_layers(value: Any) -> tuple[int, ...] | None:
     raise ValueError(f'expected "default" or a list of three layer ids, got {value!r}')
 
 
-def _str_list(value: Any) -> tuple[str, ...]:
+def str_list(value: Any) -> tuple[str, ...]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise TypeError(f"expected a list of strings, got {value!r}")
     for v in value:
@@ -178,21 +181,21 @@ def _dir(value: Any, base: Path) -> Path:
     return Path(os.path.normpath(resolved.absolute()))
 
 
-_POS_INT = _typed(int, minimum=1)
-_NONNEG_INT = _typed(int, minimum=0)
-_POS_FLOAT = _typed(float, minimum=1e-9)
-_STR = _typed(str)
-_DEVICE = _typed(str, choices=("auto", "cpu", "cuda"))
-_GRACE = _typed(float, minimum=1.0, maximum=STOP_BUDGET_S)
+_POS_INT = typed(int, minimum=1)
+_NONNEG_INT = typed(int, minimum=0)
+_POS_FLOAT = typed(float, minimum=1e-9)
+STR = typed(str)
+_DEVICE = typed(str, choices=("auto", "cpu", "cuda"))
+_GRACE = typed(float, minimum=1.0, maximum=STOP_BUDGET_S)
 # Sane maxima where a number feeds arithmetic: a ledger row's index is a source index times
 # [generate] answers (at most 64) and stays an SQLite integer; token ids and counts are int32;
 # a wait longer than a week is a typo (and past ~2^31 s time.sleep raises); numpy seeds are
 # 32-bit.
-_INDEX = _typed(int, minimum=0, maximum=2**48)
-_COUNT = _typed(int, minimum=1, maximum=2**48)
-_TOKENS = _typed(int, minimum=1, maximum=2**31 - 1)
-_SECONDS = _typed(float, minimum=1e-9, maximum=7 * 86400.0)
-_SEED = _typed(int, minimum=0, maximum=2**32 - 1)
+_INDEX = typed(int, minimum=0, maximum=2**48)
+_COUNT = typed(int, minimum=1, maximum=2**48)
+_TOKENS = typed(int, minimum=1, maximum=2**31 - 1)
+SECONDS = typed(float, minimum=1e-9, maximum=7 * 86400.0)
+_SEED = typed(int, minimum=0, maximum=2**32 - 1)
 
 
 # ---- the schema: each key once, with how its value is read ----------------------------------
@@ -227,10 +230,10 @@ class Key(NamedTuple):
 
 
 class TargetConfig(NamedTuple):
-    model: Annotated[str, _STR, BINDS]
-    # one of the registered engines (capture/engines.checked)
-    engine: Annotated[str, _STR] = "transformers"
-    dtype: Annotated[str, _typed(str, choices=DTYPES), BINDS] = "bfloat16"
+    model: Annotated[str, STR, BINDS]
+    # one of the registered engines (capture/engines.checked); empty: the registry's default
+    engine: Annotated[str, STR] = ""
+    dtype: Annotated[str, typed(str, choices=DTYPES), BINDS] = "bfloat16"
     # None: the EAGLE-3 default for the model's depth
     aux_layers: Annotated[tuple[int, ...] | None, _aux_layers, BINDS] = None
     device: Annotated[str, _DEVICE] = "auto"
@@ -238,18 +241,18 @@ class TargetConfig(NamedTuple):
 
 
 class DataConfig(NamedTuple):
-    source: Annotated[str, _STR, BINDS]
-    format: Annotated[str, _typed(str, choices=FORMATS)] = "auto"
+    source: Annotated[str, STR, BINDS]
+    format: Annotated[str, typed(str, choices=FORMATS)] = "auto"
     first: Annotated[int, _INDEX, BINDS] = 0
     limit: Annotated[int, _COUNT] = 1000
-    max_tokens: Annotated[int, _typed(int, minimum=8, maximum=2**31 - 1), BINDS] = 2048
+    max_tokens: Annotated[int, typed(int, minimum=8, maximum=2**31 - 1), BINDS] = 2048
     # "target": the target writes every assistant turn itself
-    responses: Annotated[str, _typed(str, choices=RESPONSES), BINDS] = "dataset"
+    responses: Annotated[str, typed(str, choices=RESPONSES), BINDS] = "dataset"
     planner_max_restarts: Annotated[int, _NONNEG_INT] = 2
     # extraction over this many nodes (statemachine/shards.py)
-    shards: Annotated[int, _typed(int, minimum=1, maximum=4096)] = 1
+    shards: Annotated[int, typed(int, minimum=1, maximum=4096)] = 1
     shard: Annotated[int, _NONNEG_INT] = 0  # this node's share, or from the variable named below
-    shard_from_env: Annotated[str, _STR] = ""  # e.g. "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"
+    shard_from_env: Annotated[str, STR] = ""  # e.g. "SLURM_ARRAY_TASK_ID", "JOB_COMPLETION_INDEX"
     source_path: Path = Path()
 
 
@@ -257,14 +260,14 @@ class GenerateConfig(NamedTuple):
     max_new_tokens: Annotated[int, _TOKENS, GENERATED] = 512  # per assistant turn
     # assistant turns per conversation; 0: one per user turn
     max_turns: Annotated[int, _NONNEG_INT, GENERATED] = 0
-    temperature: Annotated[float, _typed(float, minimum=0.0), GENERATED] = 0.0  # 0: greedy
-    top_p: Annotated[float, _typed(float, minimum=1e-6, maximum=1.0), GENERATED] = 1.0
+    temperature: Annotated[float, typed(float, minimum=0.0), GENERATED] = 0.0  # 0: greedy
+    top_p: Annotated[float, typed(float, minimum=1e-6, maximum=1.0), GENERATED] = 1.0
     seed: Annotated[int, _SEED, GENERATED] = 0
     # answers written per conversation (sampled: temperature above 0); left out of the contract
     # at 1, so the datasets written before it keep their key
-    answers: Annotated[int, _typed(int, minimum=1, maximum=64),
+    answers: Annotated[int, typed(int, minimum=1, maximum=64),
                        Binds(generated=True, left_out_at=1)] = 1
-    batch_size: Annotated[int, _typed(int, minimum=1, maximum=4096)] = 32  # generated together
+    batch_size: Annotated[int, typed(int, minimum=1, maximum=4096)] = 32  # generated together
     max_attempts: Annotated[int, _POS_INT] = 3
     max_restarts: Annotated[int, _NONNEG_INT] = 5  # of the generator (and its SGLang server)
 
@@ -283,30 +286,30 @@ class BudgetConfig(NamedTuple):
 
 class ExtractConfig(NamedTuple):
     # left out of a config: the [target] dtype (see parse_config)
-    dump_dtype: Annotated[str, _typed(str, choices=DUMP_DTYPES), BINDS] = "bfloat16"
+    dump_dtype: Annotated[str, typed(str, choices=DUMP_DTYPES), BINDS] = "bfloat16"
     batch_tokens: Annotated[int, _TOKENS] = 8192
     max_inflight_tokens: Annotated[int, _TOKENS] = 65536
     max_inflight_samples: Annotated[int, _POS_INT] = 256
-    inflight_timeout_s: Annotated[float, _SECONDS] = 900.0
+    inflight_timeout_s: Annotated[float, SECONDS] = 900.0
     max_attempts: Annotated[int, _POS_INT] = 3
     engine_max_restarts: Annotated[int, _NONNEG_INT] = 5
     # SIGTERM to SIGKILL, for every child holding the target
     engine_stop_grace_s: Annotated[float, _GRACE] = 30.0
     # no progress from a running engine or generator: restarted
-    engine_silence_s: Annotated[float, _SECONDS] = 900.0
-    ingest_threads: Annotated[int, _typed(int, minimum=1, maximum=64)] = 4
-    rescan_interval_s: Annotated[float, _SECONDS] = 5.0
+    engine_silence_s: Annotated[float, SECONDS] = 900.0
+    ingest_threads: Annotated[int, typed(int, minimum=1, maximum=64)] = 4
+    rescan_interval_s: Annotated[float, SECONDS] = 5.0
 
 
 class VerifyConfig(NamedTuple):
-    workers: Annotated[int, _typed(int, minimum=1, maximum=256)] = 2
+    workers: Annotated[int, typed(int, minimum=1, maximum=256)] = 2
     spot_checks: Annotated[int, _NONNEG_INT] = 3
     spot_tolerance: Annotated[float, _POS_FLOAT] = 0.05  # docs/operations.md: how it was measured
 
 
 class TrainConfig(NamedTuple):
-    nproc: Annotated[int, _typed(int, minimum=1, maximum=1024)] = 1  # per node
-    nnodes: Annotated[int, _typed(int, minimum=1, maximum=1024)] = 1
+    nproc: Annotated[int, typed(int, minimum=1, maximum=1024)] = 1  # per node
+    nnodes: Annotated[int, typed(int, minimum=1, maximum=1024)] = 1
     # node 0 runs the daemon; nodes 1.. run `eagle3d train-node`
     node_rank: Annotated[int, _NONNEG_INT] = 0
     # node 0's HOST:PORT, where torchrun's nodes meet; nnodes > 1 only
@@ -314,45 +317,35 @@ class TrainConfig(NamedTuple):
     device: Annotated[str, _DEVICE] = "auto"
     draft_vocab: Annotated[int, _POS_INT] = 32000
     intermediate_size: Annotated[int, _NONNEG_INT] = 0  # the drafter's MLP width; 0: the target's
-    ttt_steps: Annotated[int, _typed(int, minimum=1, maximum=32)] = 7
-    loss_on: Annotated[str, _typed(str, choices=LOSS_ON)] = "answers"
-    epochs: Annotated[float, _typed(float, minimum=1e-9, maximum=1e6)] = 1.0
+    ttt_steps: Annotated[int, typed(int, minimum=1, maximum=32)] = 7
+    loss_on: Annotated[str, typed(str, choices=LOSS_ON)] = "answers"
+    epochs: Annotated[float, typed(float, minimum=1e-9, maximum=1e6)] = 1.0
     max_steps: Annotated[int, _NONNEG_INT] = 0  # 0: as many as the epochs need
     batch_tokens: Annotated[int, _TOKENS] = 4096
     lr: Annotated[float, _POS_FLOAT] = 1e-4
     warmup_steps: Annotated[int, _NONNEG_INT] = 50
-    weight_decay: Annotated[float, _typed(float, minimum=0.0)] = 0.0
-    grad_clip: Annotated[float, _typed(float, minimum=0.0)] = 0.5
+    weight_decay: Annotated[float, typed(float, minimum=0.0)] = 0.0
+    grad_clip: Annotated[float, typed(float, minimum=0.0)] = 0.5
     checkpoint_every: Annotated[int, _POS_INT] = 200
     max_restarts: Annotated[int, _NONNEG_INT] = 3
     # SIGTERM to SIGKILL: the trainer checkpoints in between
     stop_grace_s: Annotated[float, _GRACE] = 60.0
     # no progress from a training trainer (a checkpoint fits): restarted
-    silence_s: Annotated[float, _SECONDS] = 1800.0
+    silence_s: Annotated[float, SECONDS] = 1800.0
     seed: Annotated[int, _SEED] = 0
     threads: Annotated[int, _NONNEG_INT] = 0  # torch intra-op threads per rank on CPU; 0 = cores / nproc
     # where the curves go besides metrics.jsonl and metrics.png
-    report_to: Annotated[str, _typed(str, choices=REPORT_TO)] = ""
+    report_to: Annotated[str, typed(str, choices=REPORT_TO)] = ""
 
 
 class EvalConfig(NamedTuple):
-    source: Annotated[str, _STR] = ""  # empty: the data source
+    source: Annotated[str, STR] = ""  # empty: the data source
     first: Annotated[int, _INDEX] = 0
     limit: Annotated[int, _COUNT] = 20
-    steps: Annotated[int, _typed(int, minimum=1, maximum=16)] = 5
+    steps: Annotated[int, typed(int, minimum=1, maximum=16)] = 5
     max_new_tokens: Annotated[int, _TOKENS] = 64
     batch_size: Annotated[int, _POS_INT] = 32  # prompts decoded together
     source_path: Path = Path()
-
-
-class SGLangConfig(NamedTuple):
-    python: Annotated[str, _STR] = "python3"
-    tp: Annotated[int, _typed(int, minimum=1, maximum=64)] = 1
-    host: Annotated[str, _STR] = "127.0.0.1"
-    port: Annotated[int, _typed(int, minimum=1, maximum=65535)] = 30000
-    mem_fraction: Annotated[float, _typed(float, minimum=0.05, maximum=0.99)] = 0.85
-    startup_timeout_s: Annotated[float, _SECONDS] = 1800.0
-    extra_args: Annotated[tuple[str, ...], _str_list] = ()
 
 
 class MetricsConfig(NamedTuple):
@@ -371,8 +364,13 @@ class Config(NamedTuple):
     generate: GenerateConfig = GenerateConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
-    sglang: SGLangConfig = SGLangConfig()
     metrics: MetricsConfig = MetricsConfig()
+    # Every other top-level key of the file, as written (each table read-only): the engines'
+    # own sections, which capture/engines reads with their settings classes and the same
+    # machinery (config_validation.read_section), and refuses where no engine reads one. The
+    # schema, on the lowest floor, cannot know the engines; the drafter's children, which read
+    # the config and never import capture, still load a file that has them.
+    engine_sections: Mapping[str, Any] = MappingProxyType({})
 
     @property
     def shard(self) -> shards.Shard:
@@ -400,8 +398,10 @@ class Config(NamedTuple):
 
 @functools.cache
 def section_classes() -> dict[str, type]:
-    """Section name -> its class, in the order of Config."""
-    return {name: Config.__annotations__[name] for name in Config._fields[1:]}
+    """Section name -> its class, in the order of Config: the sections the schema holds (not
+    the engines', Config.engine_sections)."""
+    return {name: hint for name, hint in Config.__annotations__.items()
+            if isinstance(hint, type) and issubclass(hint, tuple)}
 
 
 @functools.cache
@@ -427,9 +427,16 @@ def contract_fields() -> tuple[tuple[str, Key], ...]:
                  for key in keys_of(cls).values() if key.binds is not None)
 
 
-# Fields computed from others while validating: not part of what an operator writes.
-DERIVED = tuple(sorted({f for cls in section_classes().values() for f in cls._fields
-                        if f not in keys_of(cls)}))
+def written(section: Any) -> dict[str, Any]:
+    """A section (a schema's class, or an engine's settings) as its keys are written."""
+    return {k: as_written(getattr(section, k)) for k in keys_of(type(section))}
+
+
+def tables(cfg: Config) -> dict[str, Mapping[str, Any]]:
+    """The config as sections of keys, as an operator writes them: the schema's, then the
+    engines' as the file has them (capture/engines.checked has written each in full)."""
+    return {**{name: written(getattr(cfg, name)) for name in section_classes()},
+            **cfg.engine_sections}
 
 
 def as_written(value: Any) -> Any:

@@ -10,7 +10,8 @@ import re
 import stat
 import sys
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Mapping, TypeVar
 
 from eagle3d.statemachine import shards
 from eagle3d.statemachine.config_schema import (PLANNER_STOP_GRACE_S, STOP_BUDGET_S, Config,
@@ -50,10 +51,9 @@ class _Checker:
             raise ConfigError(f"{self.path}: {name} must be a [{name}] table")
         return value
 
-    def build(self, raw: dict, section: str, base: Path) -> Any:
-        """The section as the schema reads it (keys_of): every key converted, the missing ones
-        their defaults."""
-        cls = section_classes()[section]
+    def build(self, raw: dict, section: str, base: Path, cls: type) -> Any:
+        """The section as its class declares it (keys_of): every key converted, the missing
+        ones their defaults."""
         keys = keys_of(cls)
         values = self.section(raw, section, any(k.required for k in keys.values()))
         kwargs: dict[str, Any] = {}
@@ -110,13 +110,9 @@ def parse_config(raw: dict, path: Path) -> Config:
     problem met is the one named)."""
     chk = _Checker(path)
     base = path.parent
-    for key in raw:
-        if key not in section_classes():
-            raise ConfigError(f"{path}: unknown section or key [{key}] "
-                              f"(known sections: {', '.join(sorted(section_classes()))})")
 
     def build(section: str) -> Any:
-        return chk.build(raw, section, base)
+        return chk.build(raw, section, base, section_classes()[section])
 
     target = build("target")
     model_path = _existing(chk, "target.model", target.model, base, remote_ok=True)
@@ -139,8 +135,31 @@ def parse_config(raw: dict, path: Path) -> Config:
     ev = build("eval")
     eval_path = _existing(chk, "eval.source", ev.source or data.source, base)
     ev = ev._replace(source=_spelled(ev.source or data.source, eval_path), source_path=eval_path)
+    others = {key: MappingProxyType(dict(value)) if isinstance(value, dict) else value
+              for key, value in raw.items() if key not in section_classes()}
     return Config(path, target, data, paths, budget, extract, verify, generate, train, ev,
-                  build("sglang"), build("metrics"))
+                  build("metrics"), MappingProxyType(others))
+
+
+S = TypeVar("S")
+
+
+def read_section(cfg: Config, name: str, cls: type[S]) -> S:
+    """Config.engine_sections[name], read by `cls` as the schema reads its own sections (the
+    same converters, the same words); its defaults where the file has no such section."""
+    value = cfg.engine_sections.get(name)
+    raw = {} if value is None else {name: dict(value) if isinstance(value, Mapping) else value}
+    return _Checker(cfg.path).build(raw, name, cfg.path.parent, cls)
+
+
+def refuse_unknown_sections(cfg: Config, known: Mapping[str, type]) -> None:
+    """ConfigError for the first top-level key of the file that is neither a schema's section
+    nor one of `known` (the engines'): a misspelt section is a setting believed in force."""
+    names = sorted({*section_classes(), *known})
+    for key in cfg.engine_sections:
+        if key not in known:
+            raise ConfigError(f"{cfg.path}: unknown section or key [{key}] "
+                              f"(known sections: {', '.join(names)})")
 
 
 def _extract(chk: _Checker, extract: ExtractConfig, dump_dtype_written: bool,

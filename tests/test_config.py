@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import tomli_w
 
+from eagle3d.capture import engines
 from eagle3d.statemachine.config_schema import parse_size
 from eagle3d.statemachine.config_validation import ConfigError, load_config
 from eagle3d.statemachine.reload_policy import reload_verdict
@@ -72,7 +73,7 @@ BAD = [
 def test_bad_config_gives_one_clear_message(tmp_path, what, change, message):
     path = make_config(tmp_path, change)
     with pytest.raises(ConfigError) as err:
-        load_config(path)
+        engines.checked(load_config(path))  # as the daemon and eagle3ctl load it
     assert message in str(err.value)
     assert str(path) in str(err.value)
 

@@ -16,15 +16,20 @@ import pytest
 import tomli_w
 import tomllib
 
+from eagle3d.capture import engines
 from eagle3d.statemachine import layout
-from eagle3d.statemachine.config_schema import INT64_MAX, BudgetConfig, Config, DataConfig
+from eagle3d.statemachine.config_schema import (INT64_MAX, BudgetConfig, Config, DataConfig,
+                                                section_classes)
 from eagle3d.statemachine.config_validation import MAX_CONFIG_BYTES, ConfigError, load_config
 from eagle3d.statemachine.ledger import Ledger
 from tests.conftest import write_conversations
 from tests.pipeline import DaemonProcess, status, wait_for
 
-# Every number an operator writes: the sections' int and float fields, and the sizes.
-SECTIONS = {"data": DataConfig, **{s: type(d) for s, d in Config._field_defaults.items()}}
+# Every number an operator writes: the sections' int and float fields (the schema's and the
+# engines'), and the sizes.
+ENGINE_SECTIONS = {name: s.cls for name, s in engines.sections().items()}
+SECTIONS = {"data": DataConfig, **{s: type(d) for s, d in Config._field_defaults.items()
+                                   if s in section_classes()}, **ENGINE_SECTIONS}
 NUMERIC = [(section, key) for section, cls in SECTIONS.items()
            for key, default in cls._field_defaults.items() if type(default) in (int, float)]
 SIZES = [("budget", key) for key in BudgetConfig._fields]
@@ -71,12 +76,14 @@ def test_every_numeric_key_is_bounded_and_finite_or_refused_naming_the_key(confi
         doc.setdefault(section, {})[key] = value
         path.write_text(tomli_w.dumps(doc))
         try:
-            cfg = load_config(path)
+            cfg = engines.checked(load_config(path))  # as the daemon and eagle3ctl load it
         except ConfigError as exc:
             assert str(exc).startswith(f"{path}: ["), (section, key, value, exc)
             continue
-        got = getattr(getattr(cfg, section), key)
-        for n in numbers(tuple(cfg[1:])):
+        read = [*cfg[1:-1], *(s.of(cfg) for s in engines.sections().values())]
+        got = getattr(engines.sections()[section].of(cfg) if section in ENGINE_SECTIONS else
+                      getattr(cfg, section), key)
+        for n in numbers(tuple(read)):
             fits = math.isfinite(n) if isinstance(n, float) else abs(n) <= INT64_MAX
             assert fits, (section, key, value, got)
         if isinstance(value, float) and not math.isfinite(value):
@@ -144,7 +151,7 @@ def test_every_hostile_file_is_a_config_error_naming_it(config_factory, tmp_path
     good = messages_source_config(config_factory, tmp_path).read_text()
     for what, path in hostile_files(tmp_path, good).items():
         with pytest.raises(ConfigError) as caught:
-            load_config(path)
+            engines.checked(load_config(path))  # as the daemon and eagle3ctl load it
         assert str(caught.value).startswith(f"{path}: "), (what, caught.value)
 
 

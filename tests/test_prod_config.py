@@ -1,6 +1,7 @@
 """etc/eagle3d.toml, the production template: it must load once its model and data exist, and
-its comments must document every key of statemachine/config_schema.py with the default that code
-uses, so the documentation cannot fall behind the code."""
+its comments must document every key of statemachine/config_schema.py and of the engines'
+sections (capture/engines/*/settings.py) with the default that code uses, so the documentation
+cannot fall behind the code."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from eagle3d.capture import engines
+from eagle3d.capture.engines.sglang.spec import SETTINGS
 from eagle3d.statemachine.config_schema import Key, keys_of, parse_size, section_classes
 from eagle3d.statemachine.config_validation import load_config
 
@@ -17,9 +20,10 @@ TEMPLATE = Path(__file__).resolve().parents[1] / "etc" / "eagle3d.toml"
 
 
 def settable_fields() -> dict[str, list[Key]]:
-    """Section name -> the keys an operator can set, as the schema declares them (derived paths
-    such as model_path are not)."""
-    return {name: list(keys_of(cls).values()) for name, cls in section_classes().items()}
+    """Section name -> the keys an operator can set, as the schema and the registered engines
+    declare them (derived paths such as model_path are not)."""
+    classes = {**section_classes(), **{n: s.cls for n, s in engines.sections().items()}}
+    return {name: list(keys_of(cls).values()) for name, cls in classes.items()}
 
 
 def key_docs(text: str) -> dict[tuple[str, str], str]:
@@ -70,7 +74,9 @@ def test_every_key_is_set_and_documented_with_the_default_the_code_uses():
             assert field.name in raw[section], f"{key} is missing from the template"
             doc = docs[(section, field.name)]
             assert len(doc) > 30, f"{key} is not explained in a comment above it"
-            if not field.required:
+            if (section, field.name) == ("target", "engine"):
+                default = engines.get(field.default).name  # empty: the registry's default
+            elif not field.required:
                 default = field.default
             else:
                 assert "Required." in doc, f"{key}: the comment must say it is required"
@@ -111,8 +117,8 @@ def installed_template(tmp_path) -> Path:
 
 
 def test_the_template_loads_with_production_values(installed_template):
-    cfg = load_config(installed_template)
-    assert cfg.target.engine == "sglang" and cfg.sglang.tp == 8
+    cfg = engines.checked(load_config(installed_template))
+    assert cfg.target.engine == "sglang" and SETTINGS.of(cfg).tp == 8
     assert cfg.train.nproc == 8
     assert cfg.paths.state_dir == Path("/var/lib/eagle3d")  # the unit's StateDirectory=eagle3d
     assert cfg.paths.spool_dir == Path("/dev/shm/eagle3d")

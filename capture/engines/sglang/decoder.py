@@ -12,6 +12,7 @@ from typing import Any
 
 from eagle3d.capture.engines.sglang import client
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
+from eagle3d.capture.engines.sglang.spec import SETTINGS
 from eagle3d.statemachine.config_schema import Config, GenerateConfig
 from eagle3d.statemachine.entry import Refusal
 from eagle3d.target import loading
@@ -41,14 +42,15 @@ class SGLangDecoder:
 def connect(cfg: Config, tokenizer: Any) -> tuple[SGLangDecoder, set[int]]:
     """The decoder of the generation server, once it answers, and the tokens that end an answer."""
     eos = loading.stop_tokens(tokenizer, loading.load_generation_config(cfg.target.model_path))
-    url = f"http://{cfg.sglang.host}:{cfg.sglang.port}"
-    deadline = time.monotonic() + cfg.sglang.startup_timeout_s
+    server = SETTINGS.of(cfg)
+    url = f"http://{server.host}:{server.port}"
+    deadline = time.monotonic() + server.startup_timeout_s
     log.info("waiting for the SGLang generation server at %s", url)
     while not client.healthy(url, client.HEALTH_TIMEOUT_S):
         if time.monotonic() > deadline:
             raise Refusal(f"the SGLang generation server at {url} did not answer /health "
                           f"within [sglang] startup_timeout_s = "
-                          f"{cfg.sglang.startup_timeout_s:.0f} s; see the daemon's log")
+                          f"{server.startup_timeout_s:.0f} s; see the daemon's log")
         time.sleep(client.HEALTH_EVERY_S)
     # The server's API key, from the daemon that started it (the environment: no other user
     # reads it there).

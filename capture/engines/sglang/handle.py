@@ -15,7 +15,8 @@ from eagle3d.capture.engines import Process
 from eagle3d.capture.engines.sglang.client import SGLangClient, Startup
 from eagle3d.capture.engines.sglang.plugin import SPOT_FOLDER, failed_writes
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
-from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN, NAME, SPOT_PREFIX
+from eagle3d.capture.engines.sglang.spec import (ENV_REQUEST_KEY, ENV_TOKEN, NAME, SETTINGS,
+                                                 SPOT_PREFIX)
 from eagle3d.statemachine.atomic import temp_path
 from eagle3d.statemachine.config_schema import Config
 
@@ -31,18 +32,19 @@ class SGLangEngine:
                  env: dict[str, str]) -> None:
         """`child`: the server, started with `env` (launcher.launch_command's)."""
         self.child = child
-        self.client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}",
+        server = SETTINGS.of(cfg)
+        self.client = SGLangClient(f"http://{server.host}:{server.port}",
                                    cfg.extract.max_inflight_samples, env[API_KEY_ENV],
                                    env[ENV_REQUEST_KEY])
         self.ready = False
         self.spool = cfg.paths.spool_dir
         self._redirected: dict[str, Path] = {}  # sample id → folder its dump is wanted in
         self.problem: str | None = None  # why the engine will not become ready, once known
-        self.device = f"sglang tp={cfg.sglang.tp}"
+        self.device = f"sglang tp={server.tp}"
         # Ready only once the plugin reports the contract's target weights (as loaded), dtype
         # and layers: before that no request is sent, so no dump of another model is ingested.
         self.startup = Startup(self.client, cfg.paths.spool_dir, env[ENV_TOKEN], contract,
-                               cfg.sglang.tp, cfg.sglang.startup_timeout_s,
+                               server.tp, server.startup_timeout_s,
                                exited=lambda: self.child.proc.poll() is not None)
 
     @property

@@ -17,7 +17,7 @@ from typing import Any
 
 from eagle3d.capture.engines.sglang.plugin import CaptureSettings
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
-from eagle3d.capture.engines.sglang.spec import ENTRY_POINT_GROUP, PLUGIN_NAME
+from eagle3d.capture.engines.sglang.spec import ENTRY_POINT_GROUP, PLUGIN_NAME, SETTINGS
 from eagle3d.dataset import contract as capture_contract
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.config_schema import Config
@@ -69,17 +69,18 @@ def _server_argv(cfg: Config, dtype: str, own: list[str]) -> list[str]:
     """What both of eagle3d's servers take from the config, computing in `dtype`, then `own`
     flags, then the operator's extra_args. SGLang starts through serve.py, which adds the
     start's API key (_server_env) to these out of sight of other users."""
-    for arg in cfg.sglang.extra_args:
+    server = SETTINGS.of(cfg)
+    for arg in server.extra_args:
         flag = _reserved_flag(arg)
         if flag:
-            raise ValueError(f"{cfg.path}: [sglang.extra_args] {flag} is set by eagle3d for "
-                             "capture to be correct; remove it")
-    return [cfg.sglang.python, "-m", "eagle3d.capture.engines.sglang.serve",
+            raise ValueError(f"{cfg.path}: [{SETTINGS.name}.extra_args] {flag} is set by eagle3d "
+                             "for capture to be correct; remove it")
+    return [server.python, "-m", "eagle3d.capture.engines.sglang.serve",
             "--model-path", str(cfg.target.model_path),
-            "--tp-size", str(cfg.sglang.tp),
+            "--tp-size", str(server.tp),
             "--dtype", dtype,
-            "--host", cfg.sglang.host, "--port", str(cfg.sglang.port),
-            "--mem-fraction-static", str(cfg.sglang.mem_fraction), *own, *cfg.sglang.extra_args]
+            "--host", server.host, "--port", str(server.port),
+            "--mem-fraction-static", str(server.mem_fraction), *own, *server.extra_args]
 
 
 def launch_command(cfg: Config, contract: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -128,7 +129,8 @@ def launch_problem(cfg: Config) -> str | None:
     python (check_version), or its port taken. A process already listening there would answer
     the new server's /health in its place: the capture plugin's missing ready file would then
     be blamed, or a generation sent to a server that is not ours."""
-    return check_version(cfg.sglang.python) or port_problem(cfg.sglang.host, cfg.sglang.port)
+    server = SETTINGS.of(cfg)
+    return check_version(server.python) or port_problem(server.host, server.port)
 
 
 def port_problem(host: str, port: int) -> str | None:

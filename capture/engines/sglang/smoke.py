@@ -28,13 +28,15 @@ from typing import Iterable, Iterator
 from eagle3d.dataset import contract as contract_mod
 from eagle3d.dataset import dumpformat, precision
 from eagle3d.target import loading
+from eagle3d.capture import engines
 from eagle3d.capture.engines import shell_line
 from eagle3d.capture.engines.sglang.client import SGLangClient, Startup
 from eagle3d.capture.engines.sglang.launcher import check_version, launch_command
 from eagle3d.capture.engines.sglang.serve import API_KEY_ENV
-from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN
+from eagle3d.capture.engines.sglang.settings import SGLangSettings
+from eagle3d.capture.engines.sglang.spec import ENV_REQUEST_KEY, ENV_TOKEN, NAME, SETTINGS
 from eagle3d.statemachine.config_schema import (DUMP_DTYPES, Config, DataConfig, PathsConfig,
-                                                SGLangConfig, TargetConfig)
+                                                TargetConfig, written)
 from eagle3d.statemachine import layout
 from eagle3d.statemachine.ledger import Ledger, PlannedSample, token_ids
 
@@ -66,9 +68,10 @@ def serving(cfg: Config, contract: dict, startup_timeout: float) -> Iterator[SGL
     argv, env = launch_command(cfg, contract)
     print("engine command:", shell_line(argv, env), flush=True)
     server = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
-    client = SGLangClient(f"http://{cfg.sglang.host}:{cfg.sglang.port}", 64,
+    settings = SETTINGS.of(cfg)
+    client = SGLangClient(f"http://{settings.host}:{settings.port}", 64,
                           env[API_KEY_ENV], env[ENV_REQUEST_KEY])
-    startup = Startup(client, cfg.paths.spool_dir, env[ENV_TOKEN], contract, cfg.sglang.tp,
+    startup = Startup(client, cfg.paths.spool_dir, env[ENV_TOKEN], contract, settings.tp,
                       startup_timeout, exited=lambda: server.poll() is not None)
     try:
         while startup.state == "starting":
@@ -219,7 +222,7 @@ def check_dataset(config_path: Path, count: int) -> tuple[list[str], dict]:
                                             sample.id, token_ids(planned[sample.id][0]),
                                             captured["layer_ids"], captured["fingerprint"])
         problems += found
-    return problems, {"engine": cfg.target.engine, "dumps": figures}
+    return problems, {"engine": engines.get(cfg.target.engine).name, "dumps": figures}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=len(PROMPTS))
     ap.add_argument("--work", type=Path, default=None, help="folder kept for inspection")
     ap.add_argument("--startup-timeout", type=float, default=900.0)
-    ap.add_argument("--mem-fraction", type=float, default=SGLangConfig().mem_fraction)
+    ap.add_argument("--mem-fraction", type=float, default=SGLangSettings().mem_fraction)
     ap.add_argument("--extra-arg", action="append", default=[], dest="extra_args",
                     help="one more server flag, as [sglang] extra_args holds it (repeatable)")
     ap.add_argument("--overhead", type=int, default=0, metavar="ROUNDS",
@@ -279,12 +282,12 @@ def main(argv: list[str] | None = None) -> int:
     contract["fingerprint"] = contract_mod.fingerprint(contract)
     longest = max(map(len, [*samples.values(), *bench.values()]))
     cfg = Config(path=work / "smoke.toml",
-                 target=TargetConfig(model=args.model, engine="sglang", dtype=args.dtype,
+                 target=TargetConfig(model=args.model, engine=NAME, dtype=args.dtype,
                                      model_path=model_path),
-                 data=DataConfig(source="smoke", max_tokens=longest),
-                 paths=paths, sglang=SGLangConfig(python=args.python, tp=args.tp, port=args.port,
-                                                  mem_fraction=args.mem_fraction,
-                                                  extra_args=tuple(args.extra_args)))
+                 data=DataConfig(source="smoke", max_tokens=longest), paths=paths,
+                 engine_sections={SETTINGS.name: written(SGLangSettings(
+                     python=args.python, tp=args.tp, port=args.port,
+                     mem_fraction=args.mem_fraction, extra_args=tuple(args.extra_args)))})
     print(f"{len(samples)} samples, layers {layer_ids}, work folder {work}", flush=True)
 
     summary: dict = {"layers": layer_ids}

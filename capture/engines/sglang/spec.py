@@ -9,10 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3d.capture.engines import (Command, EngineSpec, EngineUnavailable, GenerationServer,
-                                     Spawn, register)
+                                     Settings, Spawn, register)
+from eagle3d.capture.engines.sglang.settings import SGLangSettings
 from eagle3d.statemachine.config_schema import Config
 
 NAME = "sglang"
+# The [sglang] section: SETTINGS.of(cfg) is its settings, typed.
+SETTINGS = Settings(NAME, SGLangSettings)
 
 # What the launcher tells the plugin and the daemon reads back, through the server's
 # environment (the plugin's other settings: plugin.CaptureSettings).
@@ -76,7 +79,8 @@ def _capture_command(cfg: Config) -> Command:
     return ("the extract stage's SGLang server", *launch_command(cfg, c))
 
 
-SPEC = register(EngineSpec(name=NAME, title="SGLang", section=NAME, streaming=True,
+SPEC = register(EngineSpec(name=NAME, title="SGLang", settings=SETTINGS,
+                           streaming=True,
                            capture_engine=_capture_engine, generation_server=_generation_server,
                            decoder=_decoder, generate_command=_generate_command,
                            capture_command=_capture_command))

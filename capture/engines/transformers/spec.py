@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import Any
 
 from eagle3d.capture.engines import Command, EngineSpec, Spawn, generator_argv, register
-from eagle3d.statemachine import entry
 from eagle3d.statemachine.config_schema import Config
 
 NAME = "transformers"
 
 
 def worker_argv(cfg: Config) -> list[str]:
+    from eagle3d.statemachine import entry  # logging: not on status's path
     return entry.module_argv(cfg, "eagle3d.capture.engines.transformers.worker")
 
 
@@ -36,7 +36,7 @@ def _capture_command(cfg: Config) -> Command:
     return "the extract stage's engine", worker_argv(cfg), {}
 
 
-SPEC = register(EngineSpec(name=NAME, title="transformers", section=None, streaming=False,
+SPEC = register(EngineSpec(name=NAME, title="transformers", settings=None, streaming=False,
                            capture_engine=_capture_engine, generation_server=None,
                            decoder=_decoder, generate_command=_generate_command,
                            capture_command=_capture_command))
