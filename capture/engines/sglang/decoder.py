@@ -21,7 +21,7 @@ log = logging.getLogger("eagle3d.generator")
 
 
 class SGLangDecoder:
-    """The generate stage's SGLang server (daemon/generate_stage.py starts it): one /generate
+    """The generate stage's SGLang server (daemon/stages/generate.py starts it): one /generate
     for the prompts given, each with its own room and seed (the generator gives it one
     conversation's turn at a time, from many threads)."""
 
