@@ -26,6 +26,12 @@
 #             ([eval]) and SGLang's tree 5/4/8: WORK/out/target.json (the daemon's summary),
 #             eval-ttt$TTT_B-chain.json, eval-tree.json, eval-ttt$TTT_B-tree.json; beside the
 #             trees, graph_probe.py on the daemon's drafter (decode CUDA graphs, WORK/out/graphs/)
+#   answers   ANSWERS_B (default 2) sampled answers per conversation at TEMPERATURE_B (default 0.7)
+#             against one greedy answer, at equal steps: two target runs side by side on the
+#             GPU, each with its own dataset (WORK/target: one answer; WORK/pipeline:
+#             ANSWERS_B), trained and evaluated with the daemon's chain, then each drafter with
+#             SGLang's tree 5/4/8: WORK/out/target.json, pipeline.json, eval-target-tree.json,
+#             eval-pipeline-tree.json (the arms keep follow.sh's names)
 #   graphs    graph_probe.py on the last run's drafter: do plain, chain and tree servers start
 #             with decode CUDA graphs? Each server's log in WORK/out/graphs/
 #   serve     the exported drafter (target's where that step ran, else pipeline's) served by
@@ -51,8 +57,9 @@ smoke() {  # MODEL SUMMARY [ARG...]: capture/engines/sglang/smoke.py as the daem
     --work "/dev/shm/eagle3d-smoke-$(basename "$2" .json)" --mem-fraction 0.3 \
     --summary "$work/out/$2" "${@:3}" $(printf -- '--extra-arg=%s ' "${SERVER_ARGS[@]}")
 }
-arm() {  # pipeline|target PORT: the daemon's whole run, its figures in WORK/out/ARM.json
-  RESPONSES=$( [ "$1" = target ] && echo target || echo dataset ) PORT=$2 "$here/pipeline.sh" \
+arm() {  # pipeline|target PORT: the daemon's whole run, its figures in WORK/out/ARM.json; the
+  # pipeline arm trains on the dataset's answers unless RESPONSES says otherwise
+  RESPONSES=${RESPONSES:-$( [ "$1" = target ] && echo target || echo dataset )} PORT=$2 "$here/pipeline.sh" \
     "$work/model" "$conversations" "$work/$1" "${SERVER_ARGS[@]}"
   cp "$work/$1/summary.json" "$work/out/$1.json"
 }
@@ -118,6 +125,16 @@ from eagle3d.target.loading import converted_gguf; print(converted_gguf(Path(sys
       evaluate tree --steps 5 --topk 4 --num-draft-tokens 8
       echo "== target tree done $(date -u +%H:%M:%S)"
       wait $second; wait $graphs || true ;;
+    answers) export RESPONSES=target
+      ANSWERS=1 TEMPERATURE=0.0 arm target 30556 > "$work/out/target.log" 2>&1 & one=$!
+      ANSWERS=${ANSWERS_B:-2} TEMPERATURE=${TEMPERATURE_B:-0.7} arm pipeline 30555 \
+        > "$work/out/pipeline.log" 2>&1 & several=$!
+      wait $one; wait $several
+      for a in target pipeline; do
+        python3 -m eagle3d.drafter.evaluate -c "$work/$a/sglang.toml" --steps 5 --topk 4 \
+          --num-draft-tokens 8 --out "$work/out/eval-$a-tree.json" | tail -n 4 &
+      done
+      wait ;;
     graphs) probe ;;
     compare) python3 -m eagle3d.capture.engines.sglang.smoke --dataset "$work/pipeline/sglang.toml" \
         --samples 64 --summary "$work/out/compare.json" | tail -n 3 ;;
