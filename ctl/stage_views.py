@@ -2,7 +2,7 @@
 state.toml (its `status()`) as lines, and the progress bar of the stage at work. Light: status
 imports it, the stages themselves (children, engines) never.
 
-Only the stages with something to show have a view; `ctl/main.py`'s `render_status` iterates
+Only the stages with something to show have a view; `ctl/status.py`'s `render_status` iterates
 them and names none.
 """
 

@@ -14,7 +14,9 @@ from typing import Any, Callable
 import psutil
 import tomli_w
 
-from eagle3d.ctl import main as ctl_mod
+from eagle3d.ctl.main import load_for_command
+from eagle3d.ctl.status import collect_status
+from eagle3d.statemachine import pointer
 from eagle3d.statemachine.atomic import atomic_write_bytes
 from tests.conftest import venv_bin, write_conversations
 
@@ -24,8 +26,7 @@ def status(config: Path) -> dict[str, Any]:
     poll it twice a second while a daemon loads its model and extracts, and a Python process a
     poll (0.1 s of CPU each) took a fifth of a core from the daemon on a 2-core machine. The
     command's own output is tested through ctl() and tests/test_ctl.py."""
-    st = ctl_mod.collect_status(ctl_mod.load_for_command(str(config), "status"),
-                                ctl_mod.pointer.read(config))
+    st = collect_status(load_for_command(str(config), "status"), pointer.read(config))
     return json.loads(json.dumps(st))  # as the command prints it: lists, string keys
 
 

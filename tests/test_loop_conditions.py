@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3d.ctl.main import HEARTBEAT_STALE_S
+from eagle3d.ctl.status import HEARTBEAT_STALE_S
 from eagle3d.daemon import control
 from eagle3d.daemon.children import Supervisor
 from eagle3d.daemon.reconcile import Daemon

@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from eagle3d.ctl.main import (BAD_CONFIG, EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED,
-                                WAITS_FOR_OPERATOR)
+from eagle3d.ctl import exit_codes
+from eagle3d.ctl.exit_codes import (BAD_CONFIG, EDIT_NOT_APPLIED, NEEDS_RESTART_CODE,
+                                    RELOAD_REFUSED, WAITS_FOR_OPERATOR)
 from eagle3d.daemon import control
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.statemachine import layout
@@ -176,14 +177,16 @@ def test_a_train_edit_trains_a_new_drafter_and_keeps_the_old_one(pipeline):
 
 
 def test_help_and_the_operations_guide_list_every_exit_code(config_factory):
-    from eagle3d.ctl import main as ctl_module
     shown = subprocess.run([venv_bin("eagle3ctl"), "--help"], capture_output=True, text=True,
                            timeout=60).stdout
     guide = (Path(__file__).resolve().parents[1] / "docs" / "operations.md").read_text()
-    codes = {0, ctl_module.FAILED, ctl_module.BAD_CONFIG, ctl_module.NOT_RUNNING,
-             WAITS_FOR_OPERATOR, EDIT_NOT_APPLIED, NEEDS_RESTART_CODE, RELOAD_REFUSED}
-    for code in codes:
+    # Every code of ctl/exit_codes.py: status's and check-config's in the guide's table, the
+    # requests' "not now" in the paragraph after it.
+    codes = {0, *(v for k, v in vars(exit_codes).items() if k.isupper())}
+    for code in codes - {exit_codes.NOT_NOW}:
         assert f"\n  {code}  " in shown and f"\n| {code} |" in guide, code
+    assert f"\n  {exit_codes.NOT_NOW} pause, resume" in shown
+    assert f"and {exit_codes.NOT_NOW} when the daemon runs" in " ".join(guide.split())
     until = subprocess.run([venv_bin("eagle3d"), "run", "--help"], capture_output=True,
                            text=True, timeout=60).stdout
     assert "before any of its work" in " ".join(until.split())

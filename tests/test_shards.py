@@ -259,7 +259,8 @@ def test_the_training_nodes_status_exits_8_for_a_shard_never_heard_from(tmp_path
     the daemon's: a restart of the training node's daemon hides no shard missing for days."""
     import os
 
-    from eagle3d.ctl.main import SHARD_DOWN, SHARD_STALE_S
+    from eagle3d.ctl.exit_codes import SHARD_DOWN
+    from eagle3d.ctl.status import SHARD_STALE_S
     from tests.pipeline import ctl
     config = make_config(tmp_path, {"data": {"shards": 3, "shard": 0}})
     cfg = load_config(config)
