@@ -7,9 +7,10 @@ registered.
 
 Specs are light (stdlib, the config, layout): the daemon and eagle3ctl import them, and must
 never import torch; `eagle3ctl status` checks the config through checked() and stays fast, so
-they are NamedTuples (dataclasses imports inspect) and import the rest where it is called. What a spec names is imported only when it is called: the extract stage's
-capture engine, the generate stage's server, the generator's decoder (in the generator child,
-where torch is), and the commands `eagle3ctl engine-command` prints.
+they are NamedTuples (dataclasses imports inspect). What a spec names is imported only when it
+is called: the extract stage's capture engine, the generate stage's server, the generator's
+decoder (in the generator child, where torch is), and the commands `eagle3ctl engine-command`
+prints.
 """
 
 from __future__ import annotations
