@@ -3,7 +3,7 @@ children, disks) in, one idempotent step out, every tick.
 
     observe  each stage reports its facts (statemachine/stages.Facts)
     derive   the stage follows from the facts alone (statemachine/stages.derive)
-    step     every stage takes its one step for that decision (daemon/*_stage.py)
+    step     every stage takes its one step for that decision (daemon/stages/)
     publish  state.toml, sd_notify STATUS and the watchdog ping
 
 Nothing here is remembered that the facts on disk cannot tell again, except what is deliberately
