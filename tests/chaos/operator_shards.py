@@ -219,15 +219,18 @@ def ids_once(world: ShardWorld) -> None:
 
 
 def training_node_status(world: ShardWorld) -> None:
-    """Exit 8 while another shard is in trouble (stale, stopped before done, held by its
-    budget), and while no other shard has started, 8 only for shards never heard from (a
-    minute after the training node's daemon started)."""
+    """Exit 8 while another shard is in trouble (stale or stopped before it was done, held by
+    its budget), and while no other shard has started, 8 only for shards never heard from (a
+    minute after the training node's daemon started). A shard that had published its share
+    as done needs no one when its host is lost: its share is in the shared folder."""
     code, st = ow.status(world)
     own = st.get("stage") == "failed" or st.get("config_problem") or \
         st.get("paused_by") == "budget" or st.get("gate", {}).get("waits_for_operator")
     others = range(1, COUNT)
-    trouble = [k for k in others if k in world.far or k in world.halted or (
-        _alive(world, k) and _published_state(world, k).get("paused_by") == "budget")]
+    published = {k: _published_state(world, k) for k in others}
+    trouble = [k for k in others if (k in world.far or k in world.halted) and
+               published[k].get("underlying") != "done" or
+               _alive(world, k) and published[k].get("paused_by") == "budget"]
     if trouble and not own and code != 8:
         raise Violation("the training node's status names every shard in trouble",
                         f"shards {trouble} are stale, stopped or held; status exits {code}: "
