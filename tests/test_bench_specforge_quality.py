@@ -31,6 +31,7 @@ needs_specforge = pytest.mark.skipif(
            "it")
 
 
+@pytest.mark.slow  # ~1 min alone on 2 cores, ~3 busy: it compiles SpecForge's parts, loads SmolLM2
 @needs_specforge
 def test_smallest_comparison_trains_both_evaluates_both_and_prints_the_ratio_last(tmp_path):
     config = write_config(tmp_path, cached_dataset(32), TRAIN, EVAL)
