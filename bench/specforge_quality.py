@@ -206,8 +206,8 @@ def describe(name: str, trained: Trained, report: dict[str, Any]) -> str:
 
 
 def lr_gap(a: list[float], b: list[float]) -> float:
-    """The largest gap between two lr schedules, relative to the larger's peak."""
-    return max(abs(x - y) for x, y in zip(a, b)) / max(max(a), max(b))
+    """The largest gap between two lr schedules, relative to the larger's peak (0 when empty)."""
+    return max((abs(x - y) / max(*a, *b) for x, y in zip(a, b)), default=0.0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,10 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         reports[name] = evaluate(args.config, out / name, args.eval_limit, args.threads)
     ours, theirs = reports["ours"], reports["specforge"]
     d = ours["drafting"]
+    lrs, warm = {name: t.lrs for name, t in trained.items()}, cfg.train.warmup_steps
     print(f"evaluated on {ours['prompts']} held-out prompts, {d['steps']} draft steps, top-k "
           f"{d['topk']} ({'chain' if d['topk'] == 1 else 'tree'}), up to "
           f"{cfg.eval.max_new_tokens} new tokens; lr schedules differ by at most "
-          f"{lr_gap(trained['ours'].lrs, trained['specforge'].lrs):.1%} of the peak")
+          f"{lr_gap(lrs['ours'], lrs['specforge']):.1%} of the peak in the warmup, "
+          f"{lr_gap(lrs['ours'][warm:], lrs['specforge'][warm:]):.1%} after it")
     for name in trained:
         print(describe(name, trained[name], reports[name]))
     ratio = ours["acceptance_length"] / theirs["acceptance_length"]

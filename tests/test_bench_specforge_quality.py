@@ -31,7 +31,7 @@ needs_specforge = pytest.mark.skipif(
            "it")
 
 
-@pytest.mark.slow  # ~1 min alone on 2 cores, ~3 busy: it compiles SpecForge's parts, loads SmolLM2
+@pytest.mark.slow  # 30 s on 2 idle cores, ~3 min busy: it loads SmolLM2 twice
 @needs_specforge
 def test_smallest_comparison_trains_both_evaluates_both_and_prints_the_ratio_last(tmp_path):
     config = write_config(tmp_path, cached_dataset(32), TRAIN, EVAL)
