@@ -289,14 +289,49 @@ class StoredTrainer(OurTrainer):
         return self.train(self.stored[id(batch)].to(self.device))
 
 
-class SpecForgeTrainer:
-    """SpecForge 0.2's offline EAGLE-3 step on one GPU without FSDP, as its trainer runs it:
-    `Eagle3TrainStrategy.forward_loss` (TargetHead re-projecting the stored final hidden state),
-    backward, `BF16Optimizer.step` (fp32 masters, clipping)."""
+class SpecForgeSchedule(NamedTuple):
+    """BF16Optimizer's learning-rate schedule: `kind` "constant" or "cosine" (linear warmup of
+    `warmup` steps, then cosine decay to zero at step `total`)."""
+    kind: str = "constant"
+    total: int = 1_000_000
+    warmup: int = 0
 
-    def __init__(self, shape: Shape, target: Target, weights: dict[str, Tensor], max_len: int,
+
+def cpu_reference_loss() -> None:
+    """Make SpecForge's EAGLE-3 loss run on CPU tensors. Its LogSoftmaxLoss is a Triton kernel,
+    which runs on GPUs alone: on CPU tensors the launch fails. The same module holds the formula
+    the kernel fuses, `_compute_loss` (SpecForge's "reference implementation": -sum(mask * p *
+    log_softmax(z)) over the vocabulary, averaged over all B x T positions, as the kernel
+    averages), and that is what is put in the kernel's place, for CPU tensors only."""
+    from specforge.algorithms.eagle3 import model as eagle3_model
+    from specforge.core import loss
+
+    kernel = loss.LogSoftmaxLoss
+    if getattr(kernel, "eagle3d_cpu_reference", False):
+        return
+
+    class LogSoftmaxLoss(kernel):
+        eagle3d_cpu_reference = True
+
+        @staticmethod
+        def apply(logits: Tensor, target: Tensor, position_mask: Tensor) -> Tensor:
+            if logits.is_cuda:
+                return kernel.apply(logits, target, position_mask)
+            return loss._compute_loss(logits, target, position_mask)
+
+    eagle3_model.LogSoftmaxLoss = LogSoftmaxLoss
+
+
+class SpecForgeTrainer:
+    """SpecForge 0.2's offline EAGLE-3 step on one device without FSDP, as its trainer runs it:
+    `Eagle3TrainStrategy.forward_loss` (TargetHead re-projecting the stored final hidden state),
+    backward, `BF16Optimizer.step` (fp32 masters, clipping, its scheduler). On CPU its loss is
+    its reference formula (cpu_reference_loss)."""
+
+    def __init__(self, cfg: DraftConfig, target: Target, weights: dict[str, Tensor],
                  lr: float, ttt: int, device: torch.device, backend: str,
-                 config_dir: Path) -> None:
+                 config_dir: Path, schedule: SpecForgeSchedule = SpecForgeSchedule(),
+                 weight_decay: float = 0.0, grad_clip: float = GRAD_CLIP) -> None:
         from specforge.algorithms.eagle3.model import OnlineEagle3Model
         from specforge.modeling.auto import AutoDraftModel
         from specforge.modeling.target.target_head import TargetHead
@@ -305,18 +340,22 @@ class SpecForgeTrainer:
         from specforge.training.strategies.base import Eagle3TrainStrategy
         from transformers import LlamaConfig
 
+        if device.type == "cpu":
+            cpu_reference_loss()
         self.TrainBatch = TrainBatch
         config = LlamaConfig(
-            architectures=["LlamaForCausalLMEagle3"], hidden_size=shape.hidden,
-            intermediate_size=shape.intermediate, num_attention_heads=shape.heads,
-            num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, num_hidden_layers=1,
-            vocab_size=shape.vocab, draft_vocab_size=shape.draft_vocab,
-            max_position_embeddings=max_len, rms_norm_eps=RMS_EPS, rope_parameters=shape.rope,
-            tie_word_embeddings=False, target_hidden_size=shape.hidden)
+            architectures=["LlamaForCausalLMEagle3"], hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_attention_heads,
+            num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+            num_hidden_layers=1, vocab_size=cfg.vocab_size,
+            draft_vocab_size=cfg.draft_vocab_size, hidden_act=cfg.hidden_act,
+            max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+            rope_parameters=dict(cfg.rope_parameters), tie_word_embeddings=False,
+            target_hidden_size=cfg.target_hidden_size)
         config.save_pretrained(config_dir)  # TargetHead reads the target's config from a folder
         with torch.device(device):
-            draft = AutoDraftModel.from_config(config, attention_backend=backend,
-                                               torch_dtype=torch.bfloat16)
+            self.draft = draft = AutoDraftModel.from_config(config, attention_backend=backend,
+                                                            torch_dtype=torch.bfloat16)
             head = TargetHead(str(config_dir))
         loaded = draft.load_state_dict(weights, strict=False)
         trainable = {n for n, p in draft.named_parameters() if n != "embed_tokens.weight"}
@@ -324,6 +363,7 @@ class SpecForgeTrainer:
             raise RuntimeError(f"our weights do not map onto SpecForge's draft: unexpected "
                                f"{loaded.unexpected_keys}, missing "
                                f"{sorted(trainable & set(loaded.missing_keys))}")
+        self.served = sorted(weights)  # our names of its weights: the load's mapping
         with torch.no_grad():
             draft.embed_tokens.weight.copy_(target.embed)
             draft.d2t.copy_(target.vocab.d2t)
@@ -335,12 +375,26 @@ class SpecForgeTrainer:
         model = model.to(device=device, dtype=torch.bfloat16)
         self.head = head.eval().to(device=device, dtype=torch.bfloat16)
         self.strategy = Eagle3TrainStrategy(model, target_head=self.head, ploss_decay=LOSS_DECAY)
-        self.optimizer = BF16Optimizer(model, lr=lr, weight_decay=0.0, max_grad_norm=GRAD_CLIP,
-                                       total_steps=1_000_000, warmup_ratio=0.0,
-                                       lr_scheduler="constant")
+        # BF16Optimizer takes the warmup as a share of the steps and rounds it down.
+        self.optimizer = BF16Optimizer(model, lr=lr, weight_decay=weight_decay,
+                                       max_grad_norm=grad_clip, total_steps=schedule.total,
+                                       warmup_ratio=(schedule.warmup + 0.5) / schedule.total,
+                                       lr_scheduler=schedule.kind)
         self.t2d = target.vocab.t2d.to(device)
         self.ttt = ttt
         self.counts: dict[int, Tensor] = {}  # per batch, see positions()
+
+    def served_weights(self) -> dict[str, Tensor]:
+        """The trained weights under our names (the reverse of the load's mapping, which keeps
+        the names): the fp32 masters BF16Optimizer steps, not the bf16 copies the model runs."""
+        masters = dict(zip((id(p) for p in self.optimizer.model_params),
+                           self.optimizer.fp32_params))
+        params = dict(self.draft.named_parameters())
+        return {name: masters[id(params[name])].detach().cpu() for name in self.served}
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.optimizer.param_groups[0]["lr"]
 
     def prepare(self, batches: list[Batch]) -> None:
         self.counts.update({id(b): self.positions(b) for b in batches})
@@ -354,16 +408,23 @@ class SpecForgeTrainer:
         kept = (self.t2d[argmax] & batch.loss_mask.bool())[0]
         return torch.stack([kept[k:].sum() for k in range(self.ttt)]).clamp(min=1)
 
-    def step(self, batch: Batch) -> Tensor:
+    def train(self, batch: Batch) -> Tensor:
+        """One step; per TTT step, SpecForge's own loss (a sum over the counted positions over
+        all B x T)."""
         out = self.strategy.forward_loss(self.TrainBatch(
             sample_ids=["bench"], strategy="eagle3",
+            # Causal attention: a right-padded row's real tokens never see its padding, which
+            # the loss mask leaves out.
             tensors={"input_ids": batch.input_ids, "attention_mask": torch.ones_like(
                 batch.loss_mask), "loss_mask": batch.loss_mask, "hidden_state": batch.aux,
                 "target": batch.last},
             metadata={"target_repr": "hidden_state"}))
         out.loss.backward()
         self.optimizer.step()
-        per_step = torch.stack([p.float() for p in out.metrics["plosses"]])
+        return torch.stack([p.float() for p in out.metrics["plosses"]])
+
+    def step(self, batch: Batch) -> Tensor:
+        per_step = self.train(batch)
         weights = LOSS_DECAY ** torch.arange(self.ttt, device=per_step.device,
                                              dtype=torch.float32)
         return (per_step * batch.tokens / self.counts[id(batch)] * weights).sum()
@@ -574,8 +635,9 @@ def main(argv: list[str] | None = None) -> int:
         trainers = {name: functools.partial(StoredTrainer, dtype, *common)
                     for name, dtype in STORAGE.items()}
     elif skipped is None:
-        trainers["specforge"] = functools.partial(SpecForgeTrainer, *common,
-                                                  args.specforge_backend, config_dir)
+        trainers["specforge"] = functools.partial(
+            SpecForgeTrainer, draft_config(shape, max_len), target, weights, args.lr, args.ttt,
+            device, args.specforge_backend, config_dir)
 
     if args.profile:
         for seq_len in seq_lens:
