@@ -15,12 +15,12 @@ Judged by, per sequence length,
     ratio = our tokens/s / SpecForge's tokens/s
             (goal: >= 1.3 at no more peak memory, with the loss after the same tokens no worse)
 
-printed last. Each row also gives the model FLOPs utilization (MFU): the model's FLOPs per
-step (train_flops: 6 x weights x rows for the trainable matmuls, attention as it is masked, the
+printed last. Each row also gives the model FLOPs utilization (MFU): the model's FLOPs per step
+(train_flops: 6 x weights x rows for the trainable matmuls, attention as it is masked, the
 frozen teacher head forward only) per second, over the bf16 matmul peak measured in the same
-run. SpecForge is optional (its wheel installs with `pip install --no-deps`); without it
-our trainer runs alone. `--tiny` swaps in a tiny shape so the script runs anywhere (on CPU in the
-tests).
+run. SpecForge is optional (its wheel installs with `pip install --no-deps`; its import also
+needs triton, which a GPU server has); without it our trainer runs alone. `--tiny` swaps in a
+tiny shape so the script runs anywhere (on CPU in the tests).
 
 `--compare-storage` runs our trainer twice instead, fed as drafter/train.py feeds it from the
 dataset: each batch held on the host (pinned on CUDA) as bf16 dumps store it, or as fp8 dumps do
