@@ -13,7 +13,7 @@ import pytest
 from eagle3d.dataset import contract, dumpformat
 from eagle3d.daemon.reconcile import Daemon
 from eagle3d.daemon.stages.extract import ExtractStage
-from eagle3d.statemachine import layout
+from eagle3d.statemachine import layout, plan_meta
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.config_validation import load_config
 from eagle3d.statemachine.ledger import Ledger, PlannedSample
@@ -23,6 +23,17 @@ from tests.pipeline import wait_for
 from tests.test_ingest import H, sample_ids, write
 
 EXTRACT = Decision(Stage.EXTRACT, "test", Stage.EXTRACT)
+
+
+def seen(ledger: Ledger) -> Seen:
+    """What the loop reads for the stages at each tick (reconcile.observe)."""
+    return Seen(ledger.counts(), None, plan_meta.read(ledger))
+
+
+def tick(stage: ExtractStage, ledger: Ledger, decision: Decision = EXTRACT) -> None:
+    """One tick of the loop for this stage: observe, then one step."""
+    stage.observe(seen(ledger))
+    stage.step(decision)
 
 
 class FakeEngine:
@@ -106,11 +117,11 @@ def test_dispatch_stays_within_bounds_and_every_dump_is_ingested(setup):
     cfg, ledger, factory, engines, _ = setup
     stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, factory)
     try:
-        stage.step(EXTRACT)  # starts the engine; nothing is dispatched before it is ready
+        tick(stage, ledger)  # starts the engine; nothing is dispatched before it is ready
         assert engines and not engines[0].submitted
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         assert len(engines[0].submitted) == 4  # [extract] max_inflight_samples
-        wait_for(lambda: stage.step(EXTRACT) or ledger.counts().get("extracted") == 10, 60,
+        wait_for(lambda: tick(stage, ledger) or ledger.counts().get("extracted") == 10, 60,
                  "all ten ingested")
         assert sorted(engines[0].submitted) == sorted(s.id for s in ledger.samples())
         assert stage.rates()[0] > 0
@@ -122,22 +133,22 @@ def test_an_engine_that_dies_returns_its_samples_and_is_restarted_then_given_up(
     cfg, ledger, factory, engines, _ = setup
     stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, factory)
     try:
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         engines[0].hold = True
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         assert ledger.counts().get("inflight") == 4
         engines[0].exit_code = -9
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         assert ledger.counts().get("inflight") == 0 and ledger.counts().get("pending") == 10
         assert sorted(s.id for s in ledger.samples() if s.attempts == 1) == \
             sorted(engines[0].submitted)
         assert [kind for _, kind, _ in ledger.events_of(("engine_exit",))] == ["engine_exit"]
         stage.supervisor.retry_at = 0  # the backoff, elapsed
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         assert len(engines) == 2
         engines[1].exit_code = 1
-        stage.step(EXTRACT)
-        assert "engine_max_restarts = 1" in stage.observe(Seen(ledger.counts(), None)).blocked
+        tick(stage, ledger)
+        assert "engine_max_restarts = 1" in stage.observe(seen(ledger)).blocked
     finally:
         stage.stop(time.monotonic() + 10)
 
@@ -146,13 +157,13 @@ def test_a_full_spool_returns_samples_without_an_attempt_and_pauses(setup):
     cfg, ledger, factory, engines, _ = setup
     stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, factory)
     try:
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         engines[0].fail_with = {"kind": "disk_full", "error": "No space left on device"}
-        stage.step(EXTRACT)
-        stage.step(EXTRACT)
+        tick(stage, ledger)
+        tick(stage, ledger)
         assert ledger.counts().get("pending") == 10
         assert all(s.attempts == 0 for s in ledger.samples())
-        assert "filled up" in stage.observe(Seen(ledger.counts(), None)).budget_pause
+        assert "filled up" in stage.observe(seen(ledger)).budget_pause
     finally:
         stage.stop(time.monotonic() + 10)
 
@@ -175,14 +186,14 @@ def test_an_engine_that_knows_it_cannot_capture_is_not_restarted(setup):
     cfg, ledger, factory, engines, _ = setup
     stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, factory)
     try:
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         engines[0].problem = "the capture plugin wrote no ready file"
         engines[0].exit_code = 1
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         stage.supervisor.retry_at = 0
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         assert len(engines) == 1
-        assert "no ready file" in stage.observe(Seen(ledger.counts(), None)).blocked
+        assert "no ready file" in stage.observe(seen(ledger)).blocked
     finally:
         stage.stop(time.monotonic() + 10)
 
@@ -203,8 +214,8 @@ def test_the_spool_budget_counts_every_dump_in_flight_before_it_is_written(confi
         stage = ExtractStage(cfg, ledger, cfg.paths.state_dir, lambda *args: engine)
         try:
             for _ in range(3):  # the loop's ticks: a budget's pause dispatches nothing
-                if stage.observe(Seen(ledger.counts(), None)).budget_pause is None:
-                    stage.step(EXTRACT)
+                if stage.observe(seen(ledger)).budget_pause is None:
+                    tick(stage, ledger)
             inflight = ledger.counts().tokens.get("inflight", 0)
             assert 0 < inflight * bpt <= cfg.budget.spool_max + 17 * bpt  # one sample past it
             assert ledger.counts().get("pending") > 0
@@ -227,27 +238,27 @@ def test_a_clock_step_expires_no_sample_in_flight_and_charges_no_attempt(setup):
             db.execute("UPDATE samples SET dispatched_at = dispatched_at + ? "
                        "WHERE status = 'inflight'", (by_s,))
 
-    def tick() -> None:
+    def busy_tick() -> None:
         engines[0]._events.append({"event": "progress"})  # a busy engine, never a silent one
-        stage.step(EXTRACT)
+        tick(stage, ledger)
 
     def attempts() -> int:
         return sum(s.attempts for s in ledger.samples())
 
     try:
-        stage.step(EXTRACT)
+        tick(stage, ledger)
         engines[0].hold = True  # takes batches and writes nothing
-        tick()
-        tick()  # the samples in flight, seen
+        busy_tick()
+        busy_tick()  # the samples in flight, seen
         assert ledger.counts().get("inflight") == 4 and attempts() == 4
         step_clock(-10 * 3600.0)  # the wall clock jumped 10 hours forward
-        tick()
+        busy_tick()
         assert ledger.counts().get("inflight") == 4 and attempts() == 4
         step_clock(20 * 3600.0)  # and back, 10 hours behind the dispatch
-        tick()
+        busy_tick()
         assert attempts() == 4
         time.sleep(2.2)
-        tick()
+        busy_tick()
         assert len(engines[0].submitted) == 8 and attempts() == 8  # expired, dispatched again
     finally:
         stage.stop(time.monotonic() + 10)

@@ -226,12 +226,15 @@ def test_a_spool_cap_below_one_batch_pauses_extraction_with_its_key(config_facto
     """`spool_max = "1KiB"` used to do nothing: the spool is nearly always empty when dispatch
     looks (ingest drains it within a tick). A cap no batch fits in pauses, naming the keys."""
     from eagle3d.daemon.stages.extract import ExtractStage
+    from eagle3d.statemachine import plan_meta
+    from eagle3d.statemachine.stages import Seen
     cfg = load_config(config_factory({"budget": {"spool_max": "1KiB"}}))
     for folder in (cfg.paths.state_dir, cfg.paths.dataset_dir, cfg.paths.spool_dir):
         folder.mkdir(parents=True, exist_ok=True)
     plan(cfg, 4)
     with Ledger(layout.ledger(cfg.paths.state_dir)) as ledger:
-        pause = ExtractStage(cfg, ledger, cfg.paths.state_dir).budget_pause(ledger.counts())
+        seen = Seen(ledger.counts(), None, plan_meta.read(ledger))
+        pause = ExtractStage(cfg, ledger, cfg.paths.state_dir).budget_pause(seen)
     assert pause and "[budget] spool_max (1.0 KiB) is smaller than one batch" in pause, pause
     assert "[extract] batch_tokens" in pause
 

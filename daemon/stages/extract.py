@@ -26,7 +26,7 @@ from eagle3d.daemon.durability import GroupSync
 from eagle3d.daemon.engine import plan_batch_item, start_engine
 from eagle3d.daemon.ingest import DiskUnwritable, Ingestor
 from eagle3d.daemon.stages.extract_spool import Spool
-from eagle3d.statemachine import layout, plan_meta, safepath
+from eagle3d.statemachine import layout, safepath
 from eagle3d.statemachine.config_schema import Config
 from eagle3d.statemachine.ledger import Counts, Ledger
 from eagle3d.statemachine.safepath import Unsafe
@@ -106,7 +106,7 @@ class ExtractStage:
 
     def observe(self, seen: Seen) -> ExtractFacts:
         self.seen = seen
-        self.budget_held = self.budget_pause(seen.counts)
+        self.budget_held = self.budget_pause(seen)
         return ExtractFacts(budget_pause=self.budget_held,
                             blocked=self.supervisor.fatal or self.spool_problem())
 
@@ -117,8 +117,9 @@ class ExtractStage:
             return self.spool_refused
         return self.spool.replaced()
 
-    def budget_pause(self, counts: Counts) -> str | None:
-        bpt = plan_meta.read(self.ledger).bytes_per_token
+    def budget_pause(self, seen: Seen) -> str | None:
+        """The disk budgets' pause, from the counts and the plan the loop read this tick."""
+        counts, bpt = seen.counts, seen.plan.bytes_per_token
         dataset_disk, spool_disk = budgets.disks(self.cfg)[:2]
         free = dataset_disk.free
         remaining = bpt * (counts.tokens.get("pending", 0) + counts.tokens.get("inflight", 0))
@@ -301,7 +302,8 @@ class ExtractStage:
         system's free space, less what waits there and every dump in flight, written or not
         (the spool is empty at nearly every dispatch, and one dispatch must not take more than
         the budget). A claim may go one sample past it, so that no long sample starves."""
-        bpt = plan_meta.read(self.ledger).bytes_per_token
+        assert self.seen is not None  # observed before every step
+        bpt = self.seen.plan.bytes_per_token
         spooled = self.spool.bytes_waiting if self.spool else 0
         room = min(self.cfg.budget.spool_max - spooled, budgets.disks(self.cfg)[1].free)
         return (room - bpt * counts.tokens.get("inflight", 0)) // bpt
