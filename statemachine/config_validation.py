@@ -11,7 +11,7 @@ import stat
 import sys
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, TypeVar
+from typing import Any, Collection, Mapping, TypeVar
 
 from eagle3d.statemachine import shards
 from eagle3d.statemachine.config_schema import (PLANNER_STOP_GRACE_S, STOP_BUDGET_S, Config,
@@ -152,9 +152,10 @@ def read_section(cfg: Config, name: str, cls: type[S]) -> S:
     return _Checker(cfg.path).build(raw, name, cfg.path.parent, cls)
 
 
-def refuse_unknown_sections(cfg: Config, known: Mapping[str, type]) -> None:
+def refuse_unknown_sections(cfg: Config, known: Collection[str]) -> None:
     """ConfigError for the first top-level key of the file that is neither a schema's section
-    nor one of `known` (the engines'): a misspelt section is a setting believed in force."""
+    nor one of `known` (the engines' sections): a misspelt section is a setting believed in
+    force."""
     names = sorted({*section_classes(), *known})
     for key in cfg.engine_sections:
         if key not in known:

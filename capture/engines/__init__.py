@@ -163,8 +163,9 @@ def checked(cfg: Config) -> Config:
     if cfg.target.engine and cfg.target.engine not in _SPECS:
         raise ConfigError(f"{cfg.path}: [target.engine] must be one of "
                           f"{', '.join(map(repr, names()))}, got {cfg.target.engine!r}")
-    refuse_unknown_sections(cfg, {name: s.cls for name, s in sections().items()})
-    tables = {name: MappingProxyType(written(s.of(cfg))) for name, s in sections().items()}
+    held = sections()
+    refuse_unknown_sections(cfg, held)
+    tables = {name: MappingProxyType(written(s.of(cfg))) for name, s in held.items()}
     return cfg._replace(target=cfg.target._replace(engine=get(cfg.target.engine).name),
                         engine_sections=MappingProxyType(tables))
 
