@@ -239,8 +239,8 @@ def main(argv: list[str] | None = None) -> int:
     read = sum(len(p.indices) for p in s.plan)
     print(f"{len(s.paths)} verified samples; {args.steps} steps of <= {cfg.train.batch_tokens} "
           f"tokens ({read} samples read, {read / len(s.paths):.2f} epochs); draft hidden "
-          f"{s.draft.hidden_size}, intermediate {s.draft.intermediate_size}, vocab {s.draft.draft_vocab_size} of "
-          f"{s.draft.vocab_size}; TTT {cfg.train.ttt_steps}, lr {cfg.train.lr:g}, warmup "
+          f"{s.draft.hidden_size}, intermediate {s.draft.intermediate_size}, vocab "
+          f"{s.draft.draft_vocab_size} of {s.draft.vocab_size}; TTT {cfg.train.ttt_steps}, lr {cfg.train.lr:g}, warmup "
           f"{cfg.train.warmup_steps}, clip {cfg.train.grad_clip:g}, loss on "
           f"{cfg.train.loss_on}; {device}, SpecForge {backend}", flush=True)
     arms: list[tuple[str, Callable[[Path], Trained]]] = [
