@@ -237,12 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or temporary_folder("eagle3d-sfq-out-")
     s = prepare(cfg, args.steps, device)
     read = sum(len(p.indices) for p in s.plan)
-    print(f"{len(s.paths)} verified samples; {args.steps} steps of <= {cfg.train.batch_tokens} "
-          f"tokens ({read} samples read, {read / len(s.paths):.2f} epochs); draft hidden "
+    t = cfg.train
+    print(f"{len(s.paths)} verified samples; {args.steps} steps of <= {t.batch_tokens} tokens "
+          f"({read} samples read, {read / len(s.paths):.2f} epochs); draft hidden "
           f"{s.draft.hidden_size}, intermediate {s.draft.intermediate_size}, vocab "
-          f"{s.draft.draft_vocab_size} of {s.draft.vocab_size}; TTT {cfg.train.ttt_steps}, lr {cfg.train.lr:g}, warmup "
-          f"{cfg.train.warmup_steps}, clip {cfg.train.grad_clip:g}, loss on "
-          f"{cfg.train.loss_on}; {device}, SpecForge {backend}", flush=True)
+          f"{s.draft.draft_vocab_size} of {s.draft.vocab_size}; TTT {t.ttt_steps}, lr {t.lr:g}, "
+          f"warmup {t.warmup_steps}, clip {t.grad_clip:g}, loss on {t.loss_on}; {device}, "
+          f"SpecForge {backend}", flush=True)
     arms: list[tuple[str, Callable[[Path], Trained]]] = [
         ("ours", lambda o: train_ours(s, device, o)),
         ("specforge", lambda o: train_specforge(s, device, o, backend))]
